@@ -1,0 +1,93 @@
+"""Alpha-beta cost model of each collective, and its calibration on a live communicator."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .sparse import ceil_log2
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Per-message latency ``alpha_s`` (s) and transfer time ``beta_s_per_byte`` (s/byte)."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    @classmethod
+    def from_link(cls, latency_s: float, bandwidth_bit_s: float) -> "AlphaBeta":
+        return cls(latency_s, 8.0 / bandwidth_bit_s)
+
+
+def ring_allreduce_s(p: int, nbytes: float, ab: AlphaBeta) -> float:
+    """Ring allreduce: 2(P-1) alpha + 2(P-1)/P * bytes * beta."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * ab.alpha_s + 2 * (p - 1) / p * nbytes * ab.beta_s_per_byte
+
+
+def topk_allgather_s(p: int, k: int, pair_bytes: int, ab: AlphaBeta) -> float:
+    """Top-k AllGather: counts then pairs, ceil(log2 P) steps each, (P-1) k pairs received."""
+    if p <= 1:
+        return 0.0
+    return 2 * ceil_log2(p) * ab.alpha_s + (p - 1) * k * pair_bytes * ab.beta_s_per_byte
+
+
+def gtopk_allreduce_s(p: int, k: int, pair_bytes: int, ab: AlphaBeta) -> float:
+    """gTopKAllReduce: ceil(log2 P) rounds up and down, k pairs (+ k mask bytes down) each."""
+    if p <= 1:
+        return 0.0
+    rounds = ceil_log2(p)
+    return 2 * rounds * ab.alpha_s + rounds * k * (2 * pair_bytes + 1) * ab.beta_s_per_byte
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fit of the measured allreduce time T(M) = a_s + b_s_per_byte * M, and the alpha-beta
+    parameters of the ring model that it implies, for a communicator of ``size`` ranks."""
+
+    size: int
+    a_s: float
+    b_s_per_byte: float
+    alpha_beta: AlphaBeta
+
+    def allreduce_s(self, nbytes: float) -> float:
+        return self.a_s + self.b_s_per_byte * nbytes
+
+
+def time_collective(comm: MPI.Comm, fn, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's time of ``fn()`` (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    slowest = np.empty(repeats)
+    comm.Allreduce(np.array(times), slowest, op=MPI.MAX)
+    return float(np.median(slowest))
+
+
+def calibrate(comm: MPI.Comm, sizes_bytes: Sequence[int] = (4 << 10, 64 << 10, 1 << 20, 4 << 20),
+              repeats: int = 5) -> Calibration:
+    """Measure Allreduce at a few sizes on ``comm`` and fit a, b (and alpha, beta).
+
+    Collective: every rank must call it. Takes well under a second on shared memory.
+    """
+    p = comm.Get_size()
+    if p == 1:
+        return Calibration(1, 0.0, 0.0, AlphaBeta(0.0, 0.0))
+    ts = []
+    for nbytes in sizes_bytes:
+        buf = np.ones(max(nbytes // 4, 1), np.float32)
+        out = np.empty_like(buf)
+        ts.append(time_collective(comm, lambda: comm.Allreduce(buf, out), repeats))
+    b, a = np.polyfit(np.asarray(sizes_bytes, float), np.asarray(ts), 1)
+    a, b = max(float(a), 0.0), max(float(b), 0.0)
+    ab = AlphaBeta(a / (2 * (p - 1)), b * p / (2 * (p - 1)))
+    return Calibration(p, a, b, ab)

@@ -1,0 +1,32 @@
+"""One error family for hvcomm, and the collective check that makes every rank raise together."""
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional, Sequence
+
+
+class HvcommError(ValueError):
+    """Bad input or a disagreement between ranks; the message says what to do."""
+
+
+def raise_together(comm, local_error: Optional[str], what: str) -> None:
+    """Raise HvcommError on every rank of ``comm`` if any rank reports an error.
+
+    Each rank passes the text of its own problem, or None. One small allgather decides,
+    so a rank with a bad argument cannot leave the others waiting in the next collective.
+    """
+    errors = [local_error] if comm is None or comm.Get_size() == 1 else comm.allgather(local_error)
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
+        raise HvcommError(f"{what}: {detail}")
+
+
+def check_agree(comm, key: Hashable, what: str, local_error: Optional[str] = None) -> None:
+    """Raise on every rank unless all ranks pass an equal ``key`` (and no rank an error)."""
+    raise_together(comm, local_error, what)
+    if comm is None or comm.Get_size() == 1:
+        return
+    keys: Sequence[Any] = comm.allgather(key)
+    if any(k != keys[0] for k in keys):
+        listing = "; ".join(f"rank {r}: {k!r}" for r, k in enumerate(keys))
+        raise HvcommError(f"{what}: ranks disagree ({listing}); every rank must pass the same")

