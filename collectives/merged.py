@@ -34,9 +34,11 @@ class BucketPlan:
 
     @classmethod
     def by_threshold(cls, sizes_bytes: Sequence[int], threshold_bytes: int,
-                     order: Optional[Iterable[int]] = None) -> "BucketPlan":
+                     order: Optional[Iterable[int]] = None,
+                     keys: Optional[Sequence[object]] = None) -> "BucketPlan":
         """Fill buckets in ``order`` (default: as given) until one reaches threshold_bytes.
 
+        Arrays whose ``keys`` differ (e.g. dtypes) never share a bucket.
         threshold_bytes = 0 gives one array per bucket (WFBP); a huge threshold gives one
         bucket (Horovod fusion and PyTorch DDP's 25 MB buckets lie in between).
         """
@@ -47,7 +49,8 @@ class BucketPlan:
         cur: List[int] = []
         cur_bytes = 0
         for i in order:
-            if cur and cur_bytes + sizes_bytes[i] > threshold_bytes:
+            if cur and (cur_bytes + sizes_bytes[i] > threshold_bytes
+                        or (keys is not None and keys[i] != keys[cur[-1]])):
                 buckets.append(tuple(cur))
                 cur, cur_bytes = [], 0
             cur.append(i)

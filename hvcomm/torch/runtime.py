@@ -1,0 +1,135 @@
+"""Process-wide state of hvcomm.torch (the communicators), set by init(), cleared by shutdown()."""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from mpi4py import MPI
+
+from collectives.errors import HvcommError
+
+from .engine import Engine
+
+
+@dataclass
+class Runtime:
+    comm: MPI.Comm          # the user's communicator (duplicated): object collectives
+    local_comm: MPI.Comm    # ranks sharing this node
+    cross_comm: MPI.Comm    # ranks with the same local rank, one per node
+    engine: Engine          # tensor collectives, on a second duplicate
+    fusion_threshold_bytes: int  # default bucket cap of DistributedOptimizer
+
+
+_runtime: Optional[Runtime] = None
+_previous_excepthook = None
+
+
+def _horovod_initialized() -> bool:
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        return bool(hvd is not None and hvd.is_initialized())
+    except Exception:  # noqa: BLE001 - an unusable Horovod counts as not initialised
+        return False
+
+
+def _abort_on_uncaught(exc_type, exc, tb):
+    """Print the error, then end every rank: one failing rank must not leave the rest hanging."""
+    traceback.print_exception(exc_type, exc, tb)
+    sys.stderr.write(f"hvcomm: uncaught exception on rank {MPI.COMM_WORLD.Get_rank()}; "
+                     "aborting the whole job (HVCOMM_ABORT_ON_ERROR=0 disables this)\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
+         abort_on_error: Optional[bool] = None) -> None:
+    """Start hvcomm on ``comm`` (default MPI.COMM_WORLD, also when Horovod is initialised).
+
+    ``comm`` may be an mpi4py communicator or, as in Horovod, a list of world ranks.
+    ``abort_on_error`` (default: env HVCOMM_ABORT_ON_ERROR, else True) installs an excepthook
+    that aborts the whole job on an uncaught exception when more than one rank runs.
+    Calling init again with the same communicator does nothing.
+    """
+    global _runtime, _previous_excepthook
+    if _runtime is not None:
+        return
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    elif not isinstance(comm, MPI.Comm):
+        ranks = list(comm)
+        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
+        comm = MPI.COMM_WORLD.Create(group)
+        if comm == MPI.COMM_NULL:
+            raise HvcommError(f"init: this rank is not in the ranks {ranks}")
+    if _horovod_initialized():
+        import horovod.torch as hvd
+        if hvd.size() != comm.Get_size():
+            raise HvcommError(f"init: Horovod runs on {hvd.size()} ranks but the communicator has "
+                              f"{comm.Get_size()}; pass the communicator Horovod was given")
+    user = comm.Dup()
+    local = user.Split_type(MPI.COMM_TYPE_SHARED, key=user.Get_rank())
+    cross = user.Split(local.Get_rank(), user.Get_rank())
+    threshold = int(os.environ.get("HVCOMM_FUSION_THRESHOLD_BYTES", 25 * 2**20))  # DDP default
+    _runtime = Runtime(user, local, cross, Engine(user.Dup()), threshold)
+    if abort_on_error is None:
+        abort_on_error = os.environ.get("HVCOMM_ABORT_ON_ERROR", "1") != "0"
+    if abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
+        _previous_excepthook, sys.excepthook = sys.excepthook, _abort_on_uncaught
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Stop the engine and free hvcomm's communicators. init() may be called again later."""
+    global _runtime, _previous_excepthook
+    if _runtime is None:
+        return
+    rt, _runtime = _runtime, None
+    rt.engine.close()
+    if not MPI.Is_finalized():
+        for c in (rt.engine.comm, rt.cross_comm, rt.local_comm, rt.comm):
+            c.Free()
+    if _previous_excepthook is not None:
+        sys.excepthook, _previous_excepthook = _previous_excepthook, None
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def runtime() -> Runtime:
+    if _runtime is None:
+        raise ValueError("hvcomm has not been initialized; run hvcomm.torch.init() first")
+    return _runtime
+
+
+def size() -> int:
+    return runtime().comm.Get_size()
+
+
+def rank() -> int:
+    return runtime().comm.Get_rank()
+
+
+def local_size() -> int:
+    return runtime().local_comm.Get_size()
+
+
+def local_rank() -> int:
+    return runtime().local_comm.Get_rank()
+
+
+def cross_size() -> int:
+    return runtime().cross_comm.Get_size()
+
+
+def cross_rank() -> int:
+    return runtime().cross_comm.Get_rank()
+
+
+def mpi_comm() -> MPI.Comm:
+    """hvcomm's duplicate of the user's communicator, for mpi4py calls of your own."""
+    return runtime().comm

@@ -1,0 +1,272 @@
+"""DistributedOptimizer: equivalence with one process on the whole batch, accumulation,
+LR schedulers, checkpoints, unused parameters, subclassing, and errors raised on every rank."""
+import copy
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+
+import hvcomm.torch as hvd  # noqa: E402
+from collectives import HvcommError  # noqa: E402
+
+torch.set_default_dtype(torch.float64)
+BATCH = 4  # per rank
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width=16, branch=False):
+        super().__init__()
+        torch.manual_seed(1234)  # same weights on every rank and in the serial reference
+        self.fc1 = torch.nn.Linear(10, width)
+        self.fc2 = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 3)
+        self.extra = torch.nn.Linear(width, width) if branch else None
+
+    def forward(self, x, use_extra=False):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        if use_extra:
+            h = torch.tanh(self.extra(h))
+        return self.head(h)
+
+
+def data(step, n_ranks):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(n_ranks * BATCH, 10, generator=g)
+    y = torch.randint(0, 3, (n_ranks * BATCH,), generator=g)
+    return x, y
+
+
+def shard(t, r):
+    return t[r * BATCH:(r + 1) * BATCH]
+
+
+def loss_fn(model, x, y, **kw):
+    return torch.nn.functional.cross_entropy(model(x, **kw), y)
+
+
+def make_opt(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def assert_same_everywhere(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mx = hvd.allreduce(flat, op=hvd.Max)
+    mn = hvd.allreduce(flat, op=hvd.Min)
+    assert torch.equal(mx, mn), "ranks hold different weights"
+
+
+def assert_close(a, b, tol=1e-10):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=tol, rtol=0), f"{n}: max diff {(p - q).abs().max()}"
+
+
+def train_serial(steps, sched=False, passes=1):
+    model = Net()
+    opt = make_opt(model)
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if sched else None
+    for s in range(steps):
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        if lr_sched:
+            lr_sched.step()
+    return model
+
+
+def train_distributed(steps, sched=False, passes=1, **kw):
+    r = hvd.rank()
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kw)
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if sched else None
+    for s in range(steps):
+        x, y = data(s, hvd.size())
+        x, y = shard(x, r), shard(y, r)
+        opt.zero_grad()
+        for c in range(passes):  # split the local batch into `passes` chunks
+            part = slice(c * BATCH // passes, (c + 1) * BATCH // passes)
+            (loss_fn(model, x[part], y[part]) / passes).backward()
+        opt.step()
+        if lr_sched:
+            lr_sched.step()
+    return model, opt
+
+
+def check_matches_serial(**kw):
+    model, opt = train_distributed(5, **kw)
+    assert_same_everywhere(model)
+    assert_close(model, train_serial(5))
+    assert isinstance(opt, torch.optim.SGD)
+    n = hvd.size()
+    nbytes = sum(p.numel() * 8 for p in model.parameters())
+    assert opt.comm_stats.payload_bytes == nbytes, (opt.comm_stats, nbytes)
+    assert abs(opt.comm_stats.sent_bytes - 2 * (n - 1) / n * nbytes) < 1e-6
+
+
+def check_passes_and_scheduler():
+    model, _ = train_distributed(4, passes=2)
+    assert_close(model, train_serial(4))
+    model, opt = train_distributed(5, sched=True)
+    assert_close(model, train_serial(5, sched=True))
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.25
+
+
+def check_checkpoint_resume():
+    r = hvd.rank()
+    full, _ = train_distributed(4)
+    model, opt = train_distributed(2)
+    state = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    model2 = Net()
+    model2.load_state_dict(weights)
+    opt2 = hvd.DistributedOptimizer(make_opt(model2), named_parameters=model2.named_parameters())
+    opt2.load_state_dict(state)
+    for s in range(2, 4):
+        x, y = data(s, hvd.size())
+        opt2.zero_grad()
+        loss_fn(model2, shard(x, r), shard(y, r)).backward()
+        opt2.step()
+    assert_close(model2, full, tol=0)
+
+
+def check_broadcast_optimizer_state():
+    r = hvd.rank()
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
+    if r == 0:  # only rank 0 has momentum buffers and a different lr
+        opt.param_groups[0]["lr"] = 0.05
+        for p in model.parameters():
+            opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+    stats_before = opt.comm_stats
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.05
+    for p in model.parameters():
+        assert torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, 0.5))
+    assert opt.comm_stats is stats_before and not opt._hooks_fired
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    assert_same_everywhere(model)
+
+
+def check_unused_branch():
+    """The extra layer runs only on odd ranks: no hang; its gradient averages with zeros."""
+    r, n = hvd.rank(), hvd.size()
+    model = Net(branch=True)
+    ref = Net(branch=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold_bytes=1)  # one bucket per tensor
+    for s in range(3):
+        x, y = data(s, n)
+        opt.zero_grad()
+        loss_fn(model, shard(x, r), shard(y, r), use_extra=r % 2 == 1).backward()
+        opt.step()
+        # reference: every rank's gradient (zeros where unused), averaged by hand
+        grads = []
+        for q in range(n):
+            ref.zero_grad()
+            loss_fn(ref, shard(x, q), shard(y, q), use_extra=q % 2 == 1).backward()
+            grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                          for p in ref.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                p -= 0.1 * sum(g[i] for g in grads) / n
+    assert_same_everywhere(model)
+    assert_close(model, ref)
+    moved = not torch.equal(model.extra.weight, Net(branch=True).extra.weight)
+    assert moved == (n > 1), "the branch used on odd ranks must train (and only then)"
+
+
+def check_subclass_and_guards():
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
+
+    class Counting(type(opt)):
+        steps = 0
+
+        def step(self, closure=None):
+            type(self).steps += 1
+            return super().step(closure)
+
+    opt.__class__ = Counting
+    x, y = data(0, hvd.size())
+    opt.zero_grad()
+    loss_fn(model, x[:BATCH], y[:BATCH]).backward()
+    try:
+        opt.zero_grad()
+    except HvcommError as e:
+        assert "before optimizer.step()" in str(e)
+    else:
+        raise AssertionError("zero_grad during a pending iteration must raise")
+    opt.synchronize()
+    with opt.skip_synchronize():
+        opt.step()
+    assert Counting.steps == 1 and isinstance(opt, torch.optim.SGD)
+    opt.zero_grad()
+    loss_fn(model, x[:BATCH], y[:BATCH]).backward()
+    try:
+        loss_fn(model, x[:BATCH], y[:BATCH]).backward()
+    except HvcommError as e:
+        assert "more than backward_passes_per_step" in str(e)
+    else:
+        raise AssertionError("a second backward with backward_passes_per_step=1 must raise")
+    opt.synchronize()
+
+
+def expect_everywhere(build, text):
+    try:
+        build()
+    except HvcommError as e:
+        assert text in str(e), f"{text!r} not in {e}"
+        return
+    raise AssertionError(f"no error mentioning {text!r}")
+
+
+def check_bad_input():
+    r, n = hvd.rank(), hvd.size()
+    odd = r == n - 1  # the last rank alone is wrong: the others must not hang
+
+    def build(named=None, passes=1, model=None):
+        model = model or Net()
+        named = model.named_parameters() if named is None else named
+        return hvd.DistributedOptimizer(make_opt(model), named_parameters=named,
+                                        backward_passes_per_step=passes)
+
+    m = Net()
+    expect_everywhere(lambda: build(named=list(m.parameters()) if odd else None, model=m),
+                      "tuples (name, parameter)")
+    expect_everywhere(lambda: build(named=[("w", p) for p in m.parameters()] if odd else None,
+                                    model=m), "must be unique")
+    expect_everywhere(lambda: build(named=list(m.named_parameters())[1:] if odd else None,
+                                    model=m), "not named")
+    expect_everywhere(lambda: build(passes=0 if odd else 1), "backward_passes_per_step")
+    expect_everywhere(lambda: hvd.DistributedOptimizer(
+        make_opt(m), named_parameters=m.named_parameters(), op=hvd.Max), "op must be")
+    if n > 1:
+        wide = Net(width=17) if odd else Net()
+        expect_everywhere(lambda: build(model=wide), "ranks hold different models")
+        renamed = [(("x." if odd else "") + k, p) for k, p in m.named_parameters()]
+        expect_everywhere(lambda: build(named=renamed, model=m), "ranks hold different models")
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # still usable afterwards
+
+
+def main():
+    hvd.init()
+    checks = Checks()
+    checks.run("matches serial (default buckets)", check_matches_serial)
+    checks.run("matches serial (bucket per tensor)", check_matches_serial, fusion_threshold_bytes=0)
+    checks.run("matches serial (explicit groups)", check_matches_serial, groups=2)
+    checks.run("backward_passes_per_step=2 and StepLR", check_passes_and_scheduler)
+    checks.run("checkpoint resume", check_checkpoint_resume)
+    checks.run("broadcast_optimizer_state", check_broadcast_optimizer_state)
+    checks.run("unused branch on some ranks", check_unused_branch)
+    checks.run("subclass and guards", check_subclass_and_guards)
+    checks.run("bad input raises on every rank", check_bad_input)
+    checks.finish()
+
+
+if __name__ == "__main__":
+    main()

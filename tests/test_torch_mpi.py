@@ -1,0 +1,46 @@
+"""hvcomm.torch under mpirun at several sizes (each run bounded by a timeout)."""
+import importlib.util
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpi_launch import HERE, mpi_env, mpirun
+
+SIZES = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_collective_api(n):
+    mpirun(n, "check_torch_api.py")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_distributed_optimizer(n):
+    mpirun(n, "check_optimizer.py", timeout=240)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
+                    reason="Horovod is not installed (scripts/setup_env.sh builds it)")
+@pytest.mark.parametrize("n", [2, 3])
+def test_same_weights_as_horovod(n):
+    mpirun(n, "check_vs_horovod.py", timeout=240)
+
+
+def test_failure_on_one_rank_ends_the_job():
+    t0 = time.monotonic()
+    proc = mpirun(3, "crash_one_rank.py", timeout=90, check_ok=False)
+    assert proc.returncode != 0
+    assert "deliberate failure" in proc.stderr
+    assert "unreachable" not in proc.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def test_unconnected_ranks_are_detected():
+    """What a wrong mpirun produces: one-rank jobs that each believe they are the world."""
+    env = mpi_env(2)
+    proc = subprocess.run([sys.executable, str(HERE / "mpi" / "check_torch_api.py")], env=env,
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0 and "wrong mpirun" in proc.stderr
+    assert "OK size" not in proc.stdout
