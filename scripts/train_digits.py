@@ -1,0 +1,116 @@
+"""Data-parallel training of an MLP on scikit-learn's handwritten digits, one method per run.
+
+Run under MPI (scripts/main_job.py does this for every method):
+    mpirun -n 4 python -m mpi4py scripts/train_digits.py --method hvcomm-dense --out r.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from mpi4py import MPI  # noqa: F401 - before Horovod, which then shares its communicator
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+
+import hvcomm.torch as hvc
+
+HIDDEN = 512
+
+
+def horovod_module():
+    import horovod.torch as horovod
+    if not horovod.is_initialized():
+        horovod.init(comm=MPI.COMM_WORLD)
+    return horovod
+
+
+def dense_bytes(model) -> float:
+    n = hvc.size()
+    return 2 * (n - 1) / n * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# name -> (builder(optimizer, model) -> distributed optimizer, bytes per step per rank)
+METHODS = {
+    "hvcomm-dense": (
+        lambda opt, model: hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters()),
+        lambda opt, model: opt.comm_stats.sent_bytes),
+    "horovod-dense": (
+        lambda opt, model: horovod_module().DistributedOptimizer(
+            opt, named_parameters=model.named_parameters()),
+        lambda opt, model: dense_bytes(model)),  # Horovod reports none: ring model
+}
+
+
+def load_data(seed: int):
+    digits = load_digits()
+    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_test = len(x) // 5
+    return (x[perm[n_test:]], y[perm[n_test:]]), (x[perm[:n_test]], y[perm[:n_test]])
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, 10))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", choices=sorted(METHODS), default="hvcomm-dense")
+    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=32, help="per rank")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the results of rank 0 as JSON here")
+    args = ap.parse_args()
+
+    hvc.init()
+    rank, size = hvc.rank(), hvc.size()
+    (xtr, ytr), (xte, yte) = load_data(args.seed)
+    model = make_model(args.seed)
+    build, bytes_of = METHODS[args.method]
+    opt = build(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model)
+    hvc.broadcast_parameters(model.state_dict(), root_rank=0)
+    per_rank = len(xtr) // size
+    steps = per_rank // args.batch
+    history, train_time, samples, sent = [], 0.0, 0, []
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(1000 + epoch))
+        mine = order[rank::size][:per_rank]
+        model.train()
+        t0, total_loss = time.perf_counter(), 0.0
+        for s in range(steps):
+            idx = mine[s * args.batch:(s + 1) * args.batch]
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            total_loss += loss.item()
+            sent.append(bytes_of(opt, model))
+        train_time += MPI.COMM_WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        samples += steps * args.batch * size
+        model.eval()
+        with torch.no_grad():
+            acc = (model(xte).argmax(1) == yte).float().mean().item()
+        loss_avg = MPI.COMM_WORLD.allreduce(total_loss / steps) / size
+        history.append({"epoch": epoch + 1, "train_loss": loss_avg, "test_acc": acc})
+        if rank == 0:
+            print(f"[{args.method}] epoch {epoch + 1:3d}/{args.epochs}  loss {loss_avg:.4f}  "
+                  f"test acc {acc:.4f}  ({train_time:.1f} s)", flush=True)
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"method": args.method, "ranks": size, "epochs": args.epochs,
+                       "batch_per_rank": args.batch, "history": history,
+                       "throughput": samples / train_time, "train_time_s": train_time,
+                       "bytes_per_iter_per_rank": float(np.mean(sent)),
+                       "params": sum(p.numel() for p in model.parameters()),
+                       "final_test_acc": history[-1]["test_acc"]}, f)
+
+
+if __name__ == "__main__":
+    main()
