@@ -22,11 +22,14 @@ class SparseResult:
     ``indices`` are sorted ascending; ``values`` are sums over ranks (not divided by P).
     ``reached[i]`` tells whether this rank's i-th input pair (input order) is part of the
     result; pairs with ``reached == False`` belong back in the caller's residual.
+    ``sent_bytes``: what this rank put on the wire (counted for gTop-k's own messages; the
+    ring model for the allgather, whose algorithm belongs to the MPI library).
     """
 
     indices: np.ndarray
     values: np.ndarray
     reached: np.ndarray
+    sent_bytes: int = 0
 
 
 def index_dtype(d: int) -> np.dtype:
@@ -135,11 +138,12 @@ def _gtopk_schedule(comm, indices, values, d, k, tag):
     cur_idx, cur_val = own_idx, values[order]
     max_msg = _HEADER + k * (idt.itemsize + vdt.itemsize)
     history = []  # (child, indices before merge, child's indices) per merge, in round order
-    parent = None
+    parent, sent = None, 0
     for r in range(ceil_log2(size)):
         step = 1 << r
         if rank % (2 * step) == step:
             parent, msg = rank - step, _pack(cur_idx, cur_val)
+            sent += msg.nbytes
             yield [comm.Isend(msg, dest=parent, tag=tag)]
             break
         child = rank + step
@@ -159,13 +163,14 @@ def _gtopk_schedule(comm, indices, values, d, k, tag):
     sends, msgs = [], []
     for child, before, child_idx in reversed(history):
         msgs.append(_pack(final_idx, final_val, _isin_sorted(child_idx, survived)))
+        sent += msgs[-1].nbytes
         sends.append(comm.Isend(msgs[-1], dest=child, tag=tag))
         survived = before[_isin_sorted(before, survived)]
     if sends:
         yield sends
     reached = np.empty(indices.size, bool)
     reached[order] = _isin_sorted(own_idx, survived)
-    return SparseResult(final_idx, final_val, reached)
+    return SparseResult(final_idx, final_val, reached, sent)
 
 
 def igtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int, k: int,
@@ -219,7 +224,9 @@ def _allgather_schedule(comm, indices, values, d):
     yield [comm.Iallgatherv(send_idx, (all_idx, counts)),
            comm.Iallgatherv(values, (all_val, counts))]
     uniq, sums = sum_sparse(all_idx, all_val)
-    return SparseResult(uniq, sums, np.ones(indices.size, bool))
+    pair_bytes = idt.itemsize + values.dtype.itemsize
+    ring = 0 if size == 1 else int(counts.sum() - counts[(comm.Get_rank() + 1) % size]) * pair_bytes
+    return SparseResult(uniq, sums, np.ones(indices.size, bool), ring + 8 * (size - 1))
 
 
 def itopk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int,

@@ -1,12 +1,13 @@
 """Build and run ``mpirun`` command lines for the venv's own Open MPI (no torch import)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 
 def find_mpirun() -> str:
@@ -39,3 +40,16 @@ def run(n: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str
         mpi_args: Sequence[str] = (), capture: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(mpirun_cmd(n, argv, mpi_args), env=mpi_env(env), timeout=timeout,
                           capture_output=capture, text=True)
+
+
+def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, **kw) -> Any:
+    """Run ``argv --out OUT`` on n ranks and return the JSON that rank 0 wrote to OUT.
+
+    Raises RuntimeError with the tail of the output if the job fails.
+    """
+    proc = run(n, [*argv, "--out", str(out)], timeout=timeout, **kw)
+    if proc.returncode != 0 or not out.exists():
+        tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
+        raise RuntimeError(f"{' '.join(map(str, argv[:1]))} on {n} ranks failed "
+                           f"(exit {proc.returncode}):\n{tail}")
+    return json.loads(out.read_text())

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hvcomm import launch, report  # noqa: E402
+from hvcomm import launch, report
 
 WIDTH, LAYERS = 1600, 10  # 10 x (1600*1600 + 1600) = 25.6M parameters, 102 MB of float32
 
@@ -75,13 +73,10 @@ def main() -> None:
     for p in args.sizes:
         res = {}
         for fw in ("hvcomm", "horovod"):
-            out = tmp / f"{fw}-{p}.json"
-            proc = launch.run(p, [__file__, "--worker", "--framework", fw, "--out", str(out),
-                                  "--batch", str(args.batch), "--warmup", str(args.warmup),
-                                  "--iters", str(args.iters)], timeout=900)
-            if proc.returncode != 0:
-                sys.exit(f"{fw} at P={p} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-            res[fw] = json.loads(out.read_text())
+            res[fw] = launch.run_worker(p, [__file__, "--worker", "--framework", fw,
+                                            "--batch", str(args.batch), "--warmup",
+                                            str(args.warmup), "--iters", str(args.iters)],
+                                        timeout=900, out=tmp / f"{fw}-{p}.json")
         h, v = res["hvcomm"], res["horovod"]
         rows.append({"P": p, "hvcomm it/s": f"{1 / h['median_step_s']:.2f}",
                      "Horovod it/s": f"{1 / v['median_step_s']:.2f}",

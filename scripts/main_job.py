@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hvcomm import launch, report  # noqa: E402
+from hvcomm import launch, report
 
 SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
 
 
 def methods_available():
-    sys.argv, argv = [sys.argv[0]], sys.argv  # import the method table without its argparse
     spec = importlib.util.spec_from_file_location("train_digits", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    sys.argv = argv
     names = sorted(mod.METHODS)
     if importlib.util.find_spec("horovod") is None:
         names = [m for m in names if not m.startswith("horovod")]
@@ -39,20 +34,17 @@ def main() -> None:
     methods = args.methods or methods_available()
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-main-"))
     for m in methods:
-        out = tmp / f"{m}.json"
         print(f"== {m}: {args.ranks} ranks", flush=True)
-        proc = launch.run(args.ranks, [str(SCRIPT), "--method", m, "--epochs", str(args.epochs),
-                                       "--out", str(out)], timeout=1800, capture=False)
-        if proc.returncode != 0:
-            sys.exit(f"method {m} failed (exit {proc.returncode})")
-        r = json.loads(out.read_text())
+        r = launch.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
+                                           str(args.epochs)], timeout=1800,
+                              out=tmp / f"{m}.json", capture=False)
         rows.append({"method": m, "throughput (samples/s)": f"{r['throughput']:.0f}",
                      "bytes/iter/rank": f"{r['bytes_per_iter_per_rank']:,.0f}",
                      "final test acc": f"{r['final_test_acc']:.4f}",
                      "train time (s)": f"{r['train_time_s']:.2f}"})
     text = report.table(rows)
     print("\n" + text)
-    first = json.loads((tmp / f"{methods[0]}.json").read_text())
+    first = r
     path = report.write("main_job", "Main job: digits MLP, methods compared", report.setting(
         P=args.ranks, dataset="sklearn digits (1437 train / 360 test)",
         model=f"MLP 64-512-512-10 ({first['params']} parameters)",

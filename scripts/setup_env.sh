@@ -20,7 +20,8 @@ import sys
 from importlib.metadata import version
 for spec in sys.argv[1:]:
     name, _, want = spec.partition("==")
-    if want and version(name).split("+")[0] != want:
+    have = version(name)  # raises (exit 1) when the package is missing
+    if want and have.split("+")[0] != want:
         sys.exit(1)
 PY
 }

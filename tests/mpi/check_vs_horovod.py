@@ -2,7 +2,6 @@
 import sys
 
 from mpi4py import MPI  # noqa: F401 - mpi4py first, then Horovod on its communicator
-import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from harness import Checks  # noqa: E402
