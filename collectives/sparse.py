@@ -62,13 +62,17 @@ def merge_select(idx_a: np.ndarray, val_a: np.ndarray, idx_b: np.ndarray, val_b:
     depends only on the inputs. Output is sorted by index.
     """
     idx = np.concatenate([idx_a, idx_b])
-    uniq, inv = np.unique(idx, return_inverse=True)
-    sums = np.zeros(uniq.size, dtype=np.result_type(val_a, val_b))
-    sums[inv[: idx_a.size]] += val_a
-    sums[inv[idx_a.size:]] += val_b
+    val = np.concatenate([val_a, val_b])
+    order = np.argsort(idx, kind="stable")  # two sorted runs: a linear merge; a before b
+    idx, val = idx[order], val[order]
+    first = np.ones(idx.size, bool)
+    first[1:] = idx[1:] != idx[:-1]
+    starts = np.flatnonzero(first)
+    uniq = idx[starts]
+    sums = np.add.reduceat(val, starts) if idx.size else val
     if uniq.size <= k:
         return uniq, sums
-    keep = np.sort(np.lexsort((uniq, -np.abs(sums)))[:k])
+    keep = select_topk(sums, k)  # positions ascending = indices ascending (uniq is sorted)
     return uniq[keep], sums[keep]
 
 

@@ -38,16 +38,26 @@ def mpirun_cmd(n: int, argv: Sequence[str], mpi_args: Sequence[str] = ()) -> Lis
 
 def run(n: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
         mpi_args: Sequence[str] = (), capture: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m mpi4py ARGV`` on n ranks of this machine."""
     return subprocess.run(mpirun_cmd(n, argv, mpi_args), env=mpi_env(env), timeout=timeout,
                           capture_output=capture, text=True)
 
 
-def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, **kw) -> Any:
+def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, net: str = "shm",
+               **kw) -> Any:
     """Run ``argv --out OUT`` on n ranks and return the JSON that rank 0 wrote to OUT.
 
-    Raises RuntimeError with the tail of the output if the job fails.
+    ``net`` is "shm" (one node, shared memory) or a link rate such as "1gbit": then every
+    rank runs on its own emulated host (see hvcomm.netem). Raises RuntimeError with the tail
+    of the output if the job fails.
     """
-    proc = run(n, [*argv, "--out", str(out)], timeout=timeout, **kw)
+    argv = [*argv, "--out", str(out)]
+    if net == "shm":
+        proc = run(n, argv, timeout=timeout, **kw)
+    else:
+        from .netem import EmulatedCluster
+        with EmulatedCluster(hosts=n, rate=net) as cluster:
+            proc = cluster.mpirun(argv, timeout=timeout, **kw)
     if proc.returncode != 0 or not out.exists():
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
         raise RuntimeError(f"{' '.join(map(str, argv[:1]))} on {n} ranks failed "

@@ -1,0 +1,242 @@
+"""An emulated cluster on one machine: H hosts in network namespaces, each behind its own
+rate-limited veth link into a shared bridge, and an Open MPI launch across them.
+
+Needs root, ``ip`` (iproute2) and ``tc``. Addresses come from 198.18.0.0/15, the range
+reserved for network benchmarking; no traffic leaves the machine. Bandwidth is shaped with
+``tbf`` in both directions of every link; added latency needs the ``netem`` qdisc, which
+some kernels lack (then only latency 0 is accepted, and the veth's own ~10 us applies).
+
+    with EmulatedCluster(hosts=4, rate="1gbit") as cluster:
+        proc = cluster.mpirun(["script.py"], ranks_per_host=1, timeout=600)
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from collectives.errors import HvcommError
+
+from . import launch
+
+PREFIX = "hvc-"
+SUBNET = "198.18.0"
+SWITCH = PREFIX + "switch"
+
+_AGENT = """#!/bin/sh
+# hvcomm launch agent: Open MPI calls it as ssh would be ("agent HOST COMMAND...");
+# it runs the command inside the network namespace of that emulated host instead.
+host="$1"; shift
+exec ip netns exec "{prefix}$host" sh -c "$*"
+"""
+
+
+class NetemUnavailable(HvcommError):
+    """This machine cannot emulate a network (no root, no ip/tc, no namespaces)."""
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise HvcommError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
+    return proc
+
+
+def parse_rate_bit_s(rate: str) -> float:
+    """'1gbit' -> 1e9, '100mbit' -> 1e8 (tc's units: bit, kbit, mbit, gbit)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", rate.strip().lower())
+    if not m:
+        raise HvcommError(f"rate {rate!r}: use tc units such as 100mbit, 1gbit, 10gbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def parse_latency_s(latency: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(us|ms|s)", latency.strip().lower())
+    if not m:
+        raise HvcommError(f"latency {latency!r}: use a number with us, ms or s (e.g. 50us)")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+
+
+def unsupported_reason() -> Optional[str]:
+    """Why this machine cannot run an emulated cluster, or None when it can."""
+    if os.geteuid() != 0:
+        return "network emulation needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"network emulation needs '{tool}' (Debian package iproute2)"
+    probe = PREFIX + "probe"
+    made = _sh("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here: {made.stderr.strip()}"
+    _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def netem_available() -> bool:
+    probe = PREFIX + "qprobe"
+    if _sh("ip", "netns", "add", probe, check=False).returncode != 0:
+        return False
+    try:
+        return _sh("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
+                   "netem", "delay", "1us", check=False).returncode == 0
+    finally:
+        _sh("ip", "netns", "del", probe, check=False)
+
+
+def cleanup_stale() -> None:
+    """Remove namespaces (and the processes in them) left by an earlier, killed run."""
+    listing = _sh("ip", "netns", "list", check=False).stdout.split("\n")
+    for line in listing:
+        name = line.split(" ")[0]
+        if name.startswith(PREFIX):
+            _kill_namespace_processes(name)
+            _sh("ip", "netns", "del", name, check=False)
+
+
+def _kill_namespace_processes(ns: str) -> None:
+    pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+class EmulatedCluster:
+    """Context manager: builds the hosts on entry, always tears them down on exit."""
+
+    def __init__(self, hosts: int, rate: str = "1gbit", latency: str = "0us"):
+        if hosts < 1 or hosts > 200:
+            raise HvcommError(f"hosts must be in [1, 200], got {hosts}")
+        self.hosts = hosts
+        self.rate = rate
+        self.rate_bit_s = parse_rate_bit_s(rate)
+        self.latency = latency
+        self.latency_s = parse_latency_s(latency)
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
+        self._agent_dir: Optional[Path] = None
+
+    @property
+    def subnet(self) -> str:
+        return f"{SUBNET}.0/24"
+
+    def namespace(self, i: int) -> str:
+        return PREFIX + self.addresses[i]
+
+    def describe(self) -> str:
+        lat = f", +{self.latency} latency" if self.latency_s else ""
+        return f"{self.hosts} emulated hosts, {self.rate} per link{lat} (tbf, netns, 198.18.0.0/24)"
+
+    # -- set-up and tear-down --------------------------------------------------------------
+    def __enter__(self) -> "EmulatedCluster":
+        reason = unsupported_reason()
+        if reason:
+            raise NetemUnavailable(reason)
+        if self.latency_s and not netem_available():
+            raise NetemUnavailable("added latency needs the netem qdisc, which this kernel does "
+                                   "not have; use latency 0us (bandwidth is still shaped)")
+        cleanup_stale()
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+        for s in previous:  # turn a kill into an exception, so __exit__ still tears down
+            signal.signal(s, _raise_interrupt)
+        self._previous_handlers = previous
+        try:
+            self._build()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def _build(self) -> None:
+        _sh("ip", "netns", "add", SWITCH)
+        _sh("ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", SWITCH, "link", "set", "br0", "up")
+        for i in range(self.hosts):
+            ns, port = self.namespace(i), f"p{i}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", port,
+                "netns", SWITCH)
+            _sh("ip", "-n", SWITCH, "link", "set", port, "master", "br0", "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            self._shape(ns, "eth0")       # host -> switch
+            self._shape(SWITCH, port)     # switch -> host
+        self._agent_dir = Path(tempfile.mkdtemp(prefix="hvcomm-agent-"))
+        agent = self._agent_dir / "netns-agent"
+        agent.write_text(_AGENT.format(prefix=PREFIX))
+        agent.chmod(0o755)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        burst = max(int(self.rate_bit_s / 8 / 1000), 32 * 1024)  # about 1 ms at line rate
+        cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
+        if self.latency_s:
+            _sh(*cmd, "handle", "1:", "netem", "delay", self.latency)
+            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:"]
+        _sh(*cmd, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
+
+    def __exit__(self, *exc) -> None:
+        for i in range(self.hosts):
+            _kill_namespace_processes(self.namespace(i))
+        for name in [self.namespace(i) for i in range(self.hosts)] + [SWITCH]:
+            _sh("ip", "netns", "del", name, check=False)
+        if self._agent_dir:
+            shutil.rmtree(self._agent_dir, ignore_errors=True)
+        for s, h in getattr(self, "_previous_handlers", {}).items():
+            signal.signal(s, h)
+
+    # -- running MPI jobs across the hosts --------------------------------------------------
+    def mpirun_cmd(self, argv: Sequence[str], ranks_per_host: int = 1) -> List[str]:
+        if self._agent_dir is None:
+            raise HvcommError("the emulated cluster is not set up; use it in a with-block")
+        agent = str(self._agent_dir / "netns-agent")
+        hosts = ",".join(f"{a}:{ranks_per_host}" for a in self.addresses)
+        mca = ["--host", hosts,
+               "--mca", "plm_rsh_agent", agent, "--prtemca", "plm_rsh_agent", agent,
+               "--mca", "oob_tcp_if_include", self.subnet,
+               "--prtemca", "oob_tcp_if_include", self.subnet,
+               "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self",
+               "--mca", "btl_tcp_if_include", self.subnet,
+               "--mca", "coll", "^han,xhc"]  # han and xhc assume one shared-memory node
+        cmd = launch.mpirun_cmd(self.hosts * ranks_per_host, argv, mca)
+        return ["ip", "netns", "exec", self.namespace(0), *cmd]
+
+    def mpirun(self, argv: Sequence[str], ranks_per_host: int = 1, timeout: float = 600,
+               env=None, capture: bool = True) -> subprocess.CompletedProcess:
+        """Run ``python -m mpi4py ARGV`` with ``ranks_per_host`` ranks on every host."""
+        return subprocess.run(self.mpirun_cmd(argv, ranks_per_host), env=launch.mpi_env(env),
+                              timeout=timeout, capture_output=capture, text=True)
+
+
+def add_net_option(parser) -> None:
+    """The ``--net`` option every benchmark takes."""
+    parser.add_argument("--net", default="shm",
+                        help="shm (shared memory, one node) or a per-link rate for an emulated "
+                             "cluster with one host per rank, e.g. 100mbit, 1gbit, 10gbit")
+
+
+def resolve_net(net: str) -> Tuple[str, str]:
+    """Check ``--net`` early; returns (net to run on, label to record with the results).
+
+    Where emulation is impossible here, say so and fall back to shared memory; the label
+    says what really ran."""
+    if net == "shm":
+        return "shm", "shared memory, one node"
+    parse_rate_bit_s(net)
+    reason = unsupported_reason()
+    if reason:
+        print(f"hvcomm: cannot emulate {net} ({reason}); running on shared memory instead",
+              file=sys.stderr)
+        return "shm", f"shared memory, one node (asked for {net}; emulation unavailable: {reason})"
+    return net, (f"emulated cluster: one host (network namespace) per rank, {net} per link "
+                 "(tc tbf both ways) into a bridge, MPI over TCP")
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

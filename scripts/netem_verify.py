@@ -1,0 +1,91 @@
+"""Check the emulated cluster against its configuration: point-to-point bandwidth between two
+hosts (target: within 10% of the rate) and a 100 MB Allreduce over 4 hosts (target: within 25%
+of the ring model 2(P-1)/P * bytes / bandwidth). Writes results/netem_verify.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from hvcomm import launch, report
+from hvcomm.netem import EmulatedCluster, parse_rate_bit_s
+
+
+def worker(args) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    buf = np.ones(args.bytes // 4, np.float32)
+    times = []
+    for _ in range(args.repeats + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        if args.mode == "p2p":
+            if comm.rank == 0:
+                comm.Send(buf, dest=1)
+            elif comm.rank == 1:
+                comm.Recv(buf, source=0)
+            comm.Barrier()  # the sender's timer stops when the receiver has everything
+        else:
+            comm.Allreduce(MPI.IN_PLACE, buf)
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    if comm.rank == 0:
+        Path(args.out).write_text(json.dumps({"median_s": float(np.median(times[1:]))}))
+
+
+def measure(hosts: int, rate: str, mode: str, nbytes: int, repeats: int, tmp: Path) -> float:
+    with EmulatedCluster(hosts, rate) as cluster:
+        out = tmp / f"{mode}-{rate}-{hosts}.json"
+        argv = [__file__, "--worker", "--mode", mode, "--bytes", str(nbytes), "--repeats",
+                str(repeats), "--out", str(out)]
+        proc = cluster.mpirun(argv, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{mode} at {rate} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return json.loads(out.read_text())["median_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--mode", choices=["p2p", "allreduce"])
+    ap.add_argument("--bytes", type=int)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    tmp = Path(tempfile.mkdtemp(prefix="hvcomm-netem-"))
+    rows = []
+    for rate, nbytes in (("1gbit", 125_000_000), ("100mbit", 25_000_000)):
+        t = measure(2, rate, "p2p", nbytes, args.repeats, tmp)
+        bw = nbytes * 8 / t
+        rows.append({"test": "Send/Recv, 2 hosts", "link": rate, "bytes": f"{nbytes:,}",
+                     "measured s": f"{t:.3f}", "measured": f"{bw / 1e6:.0f} Mbit/s",
+                     "model": f"{parse_rate_bit_s(rate) / 1e6:.0f} Mbit/s",
+                     "measured/model": f"{bw / parse_rate_bit_s(rate):.3f}", "target": "within 10%",
+                     "ok": abs(bw / parse_rate_bit_s(rate) - 1) <= 0.10})
+        print(rows[-1], flush=True)
+    p, nbytes, rate = 4, 100_000_000, "1gbit"
+    t = measure(p, rate, "allreduce", nbytes, args.repeats, tmp)
+    model = 2 * (p - 1) / p * nbytes * 8 / parse_rate_bit_s(rate)
+    rows.append({"test": "Allreduce, 4 hosts", "link": rate, "bytes": f"{nbytes:,}",
+                 "measured s": f"{t:.3f}", "measured": f"{t:.3f} s", "model": f"{model:.3f} s (ring)",
+                 "measured/model": f"{t / model:.3f}", "target": "within 25%",
+                 "ok": abs(t / model - 1) <= 0.25})
+    print(rows[-1], flush=True)
+    text = report.table(rows)
+    print(text)
+    report.write("netem_verify", "Emulated network: measured against configured", report.setting(
+        network="emulated cluster: one network namespace per host, veth into a bridge, tc tbf "
+        "both ways, no added latency (this kernel has no netem)", mpi_transport="Open MPI ob1/tcp",
+        timing=f"median of {args.repeats} after one warm-up, slowest rank"), text)
+    if not all(r["ok"] for r in rows):
+        raise SystemExit("some figures are outside their targets (see the table)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Runs across an emulated cluster: each rank reports its network namespace; ranks 0 and 1
+time a transfer over their link."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+
+
+def main():
+    checks = Checks()
+    comm = MPI.COMM_WORLD
+    ns = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True,
+                        text=True).stdout.strip()
+    names = comm.gather(ns)
+    nbytes = int(sys.argv[1])
+    buf = np.ones(nbytes, np.uint8)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    if comm.rank == 0:
+        comm.Send(buf, dest=1)
+    elif comm.rank == 1:
+        comm.Recv(buf, source=0)
+    comm.Barrier()
+    seconds = time.perf_counter() - t0
+    if comm.rank == 0:
+        print(json.dumps({"namespaces": names, "seconds": seconds}))
+    checks.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The emulated cluster: hosts in distinct namespaces, shaped links, and a clean tear-down."""
+import json
+import subprocess
+
+import pytest
+
+from hvcomm import netem
+from mpi_launch import HERE
+
+REASON = netem.unsupported_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network emulation here: {REASON}")
+
+
+def namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split(" ")[0] for line in out.splitlines() if line.startswith(netem.PREFIX)}
+
+
+@needs_netns
+def test_two_hosts_distinct_namespaces_and_shaped_link():
+    rate_bit_s, nbytes = 20e6, 2_000_000   # unshaped veth moves this in well under 50 ms
+    with netem.EmulatedCluster(hosts=2, rate="20mbit") as cluster:
+        qdisc = subprocess.run(["ip", "netns", "exec", cluster.namespace(1), "tc", "qdisc", "show",
+                                "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "20Mbit" in qdisc, qdisc
+        proc = cluster.mpirun([str(HERE / "mpi" / "check_netem.py"), str(nbytes)], timeout=120,
+                              env={"HVCOMM_TEST_EXPECT_SIZE": "2"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "OK size=2" in proc.stdout
+        report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+        assert report["namespaces"] == [cluster.namespace(0), cluster.namespace(1)]
+        bandwidth = nbytes * 8 / report["seconds"]
+        assert bandwidth < 2 * rate_bit_s, f"link not shaped: {bandwidth / 1e6:.0f} Mbit/s"
+    assert namespaces() == set()
+
+
+@needs_netns
+def test_teardown_when_the_job_fails():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netem.EmulatedCluster(hosts=2, rate="1gbit"):
+            assert len(namespaces()) == 3  # two hosts and the switch
+            raise RuntimeError("boom")
+    assert namespaces() == set()
+
+
+def test_clear_error_without_root(monkeypatch):
+    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    assert "root" in netem.unsupported_reason()
+    with pytest.raises(netem.NetemUnavailable, match="needs root"):
+        with netem.EmulatedCluster(hosts=2):
+            pass
+    net, label = netem.resolve_net("1gbit")
+    assert net == "shm" and "emulation unavailable" in label
+
+
+def test_bad_settings_are_rejected():
+    for kw in ({"hosts": 0}, {"hosts": 2, "rate": "fast"}, {"hosts": 2, "latency": "5 parsecs"}):
+        with pytest.raises(netem.HvcommError):
+            netem.EmulatedCluster(**kw)
+    assert netem.parse_rate_bit_s("100mbit") == 1e8
+    assert netem.parse_latency_s("50us") == pytest.approx(50e-6)
