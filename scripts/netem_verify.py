@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import launch, report
+from hvcomm import report
 from hvcomm.netem import EmulatedCluster, parse_rate_bit_s
 
 
@@ -37,9 +37,10 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps({"median_s": float(np.median(times[1:]))}))
 
 
-def measure(hosts: int, rate: str, mode: str, nbytes: int, repeats: int, tmp: Path) -> float:
-    with EmulatedCluster(hosts, rate) as cluster:
-        out = tmp / f"{mode}-{rate}-{hosts}.json"
+def measure(hosts: int, rate: str, mode: str, nbytes: int, repeats: int, tmp: Path,
+            algorithm: str = "ring") -> float:
+    with EmulatedCluster(hosts, rate, mpi_allreduce=algorithm) as cluster:
+        out = tmp / f"{mode}-{rate}-{hosts}-{algorithm}.json"
         argv = [__file__, "--worker", "--mode", mode, "--bytes", str(nbytes), "--repeats",
                 str(repeats), "--out", str(out)]
         proc = cluster.mpirun(argv, timeout=600)
@@ -70,20 +71,22 @@ def main() -> None:
                      "ok": abs(bw / parse_rate_bit_s(rate) - 1) <= 0.10})
         print(rows[-1], flush=True)
     p, nbytes, rate = 4, 100_000_000, "1gbit"
-    t = measure(p, rate, "allreduce", nbytes, args.repeats, tmp)
     model = 2 * (p - 1) / p * nbytes * 8 / parse_rate_bit_s(rate)
-    rows.append({"test": "Allreduce, 4 hosts", "link": rate, "bytes": f"{nbytes:,}",
-                 "measured s": f"{t:.3f}", "measured": f"{t:.3f} s", "model": f"{model:.3f} s (ring)",
-                 "measured/model": f"{t / model:.3f}", "target": "within 25%",
-                 "ok": abs(t / model - 1) <= 0.25})
-    print(rows[-1], flush=True)
+    for algorithm in ("ring", "default"):
+        t = measure(p, rate, "allreduce", nbytes, args.repeats, tmp, algorithm)
+        rows.append({"test": f"Allreduce, 4 hosts, Open MPI {algorithm} algorithm", "link": rate,
+                     "bytes": f"{nbytes:,}", "measured s": f"{t:.3f}", "measured": f"{t:.3f} s",
+                     "model": f"{model:.3f} s (ring)", "measured/model": f"{t / model:.3f}",
+                     "target": "within 25%" if algorithm == "ring" else "(for information)",
+                     "ok": abs(t / model - 1) <= 0.25 if algorithm == "ring" else "-"})
+        print(rows[-1], flush=True)
     text = report.table(rows)
     print(text)
     report.write("netem_verify", "Emulated network: measured against configured", report.setting(
         network="emulated cluster: one network namespace per host, veth into a bridge, tc tbf "
         "both ways, no added latency (this kernel has no netem)", mpi_transport="Open MPI ob1/tcp",
         timing=f"median of {args.repeats} after one warm-up, slowest rank"), text)
-    if not all(r["ok"] for r in rows):
+    if not all(r["ok"] for r in rows if r["ok"] != "-"):
         raise SystemExit("some figures are outside their targets (see the table)")
 
 
