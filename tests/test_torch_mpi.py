@@ -3,6 +3,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +45,15 @@ def test_unconnected_ranks_are_detected():
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode != 0 and "wrong mpirun" in proc.stderr
     assert "OK size" not in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="Horovod is not installed")
+def test_horovodrun_launches_an_hvcomm_job():
+    env = mpi_env(2)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # horovodrun calls mpirun
+    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", "localhost:2",
+           "--mpi", "--binding-args=--bind-to none --map-by slot --oversubscribe",
+           sys.executable, str(HERE / "mpi" / "check_torch_api.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "OK size=2" in proc.stdout
