@@ -57,3 +57,8 @@ def test_horovodrun_launches_an_hvcomm_job():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK size=2" in proc.stdout
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_compression_in_the_optimizer(n):
+    mpirun(n, "check_compression.py", timeout=300)

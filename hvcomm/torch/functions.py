@@ -34,8 +34,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     The state dict travels as one pickled object and is loaded with ``load_state_dict``; no
     optimizer step is taken (Horovod's version steps with zero gradients to create missing
     state, which would change momentum, Adam's step count and any error-feedback residual).
+    hvcomm's per-rank state (residuals, step counter) stays as it is on every rank.
     """
-    state: Any = optimizer.state_dict() if rank() == root_rank else None
+    state: Any = None
+    if rank() == root_rank:
+        state = dict(optimizer.state_dict())
+        state.pop("hvcomm", None)
     state = broadcast_object(state, root_rank)
     if rank() != root_rank:
         optimizer.load_state_dict(state)

@@ -15,8 +15,9 @@ from collectives.errors import HvcommError, raise_together
 from collectives.merged import BucketPlan
 
 from .compression import Compression, Compressor
-from .engine import Handle
-from .ops import Average, Sum, as_numpy
+from .memory import ErrorFeedback
+from .ops import Average, Sum
+from .reducer import Reducer
 from .runtime import runtime
 
 
@@ -26,8 +27,9 @@ class _Bucket:
     """Parameters reduced together, and the in-flight state of this iteration."""
 
     params: List[torch.nn.Parameter]
+    key: str = ""                        # names its residual in the error-feedback memory
     ready: int = 0                       # parameters whose gradient is final this iteration
-    pending: Optional[tuple] = None      # (engine handle, compressed buffer, ctx) once launched
+    pending: Optional[object] = None     # the reducer's InFlight once launched
 
 
 @dataclass
@@ -54,6 +56,11 @@ def _local_problems(optimizer, named_parameters, compression, bpps, op, predivid
     if not isinstance(compression, Compressor) and not (
             hasattr(compression, "compress") and hasattr(compression, "decompress")):
         return "compression must provide compress() and decompress() (e.g. Compression.fp16)"
+    if isinstance(compression, Compressor):
+        dtypes = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        bad = compression.problem(dtypes, runtime().comm.Get_size())
+        if bad:
+            return bad
     if named_parameters is None:
         return None
     if any(not (isinstance(np_, tuple) and len(np_) == 2 and isinstance(np_[0], str)
@@ -108,8 +115,16 @@ class _DistributedMixin:
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         spec = [(self._names[p], tuple(p.shape), str(p.dtype)) for p in params]
         _agree_on_parameters(rt.comm, spec + [("options", backward_passes_per_step, op,
-                                               gradient_predivide_factor)])
+                                               gradient_predivide_factor, repr(compression))])
+        scope = getattr(compression, "scope", "bucket")
+        if scope != "bucket" and groups is None:
+            fusion_threshold_bytes = 0 if scope == "layer" else 2**62
         self._buckets = self._plan(params, groups, fusion_threshold_bytes)
+        for b in self._buckets:
+            b.key = "|".join(self._names[p] for p in b.params)
+        self._memory = ErrorFeedback()
+        self._reducer = Reducer(rt.engine, compression, self._memory)
+        self._step = 0                     # synchronizations so far (density warm-up, seeds)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._delay = {p: backward_passes_per_step for p in params}
         self._next_launch = 0
@@ -142,6 +157,9 @@ class _DistributedMixin:
 
     # -- hooks: count passes, launch complete buckets in the fixed order ----------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if p.grad is not None and p.grad.is_sparse:
+            raise HvcommError(f"parameter {self._names[p]!r} has sparse gradients, which hvcomm "
+                              "does not reduce; use a dense layer (e.g. Embedding(sparse=False))")
         if self._delay[p] <= 0:
             raise HvcommError("Gradients were computed more than backward_passes_per_step times "
                               "before step(); increase backward_passes_per_step to accumulate "
@@ -167,16 +185,8 @@ class _DistributedMixin:
         flat = torch.cat(grads).cpu()
         if self.op == Average and self.gradient_predivide_factor != 1.0:
             flat.div_(self.gradient_predivide_factor)
-        payload, ctx = self._compression.compress(flat)
-        payload = payload.contiguous()
-        buf = as_numpy(payload)
-        handle: Handle = runtime().engine.submit(
-            lambda comm: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
-        bucket.pending = (handle, payload, ctx)
-        size = runtime().comm.Get_size()
+        bucket.pending = self._reducer.start(bucket.key, flat, self._step)
         self._inflight.messages += 1
-        self._inflight.payload_bytes += buf.nbytes
-        self._inflight.sent_bytes += 2 * (size - 1) / size * buf.nbytes
 
     # -- Horovod's optimizer interface --------------------------------------------------------
     def synchronize(self) -> None:
@@ -186,9 +196,9 @@ class _DistributedMixin:
         size = runtime().comm.Get_size()
         scale = self.gradient_predivide_factor / size if self.op == Average else 1.0
         for bucket in self._buckets:
-            handle, payload, ctx = bucket.pending
-            handle.wait()
-            flat = self._compression.decompress(payload, ctx)
+            flat, sent, payload_bytes = self._reducer.finish(bucket.pending)
+            self._inflight.sent_bytes += sent
+            self._inflight.payload_bytes += payload_bytes
             if scale != 1.0:
                 flat = flat * scale
             offset = 0
@@ -199,6 +209,7 @@ class _DistributedMixin:
             bucket.pending, bucket.ready = None, 0
         self.comm_stats, self._inflight = self._inflight, CommStats()
         self._reset_counters()
+        self._step += 1
         self._synchronized = True
 
     def _reset_counters(self) -> None:
@@ -231,7 +242,21 @@ class _DistributedMixin:
                               "optimizer.step() or optimizer.synchronize(); call step() first")
         return super().zero_grad(set_to_none)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state plus hvcomm's own, under "hvcomm": this rank's
+        error-feedback residuals and the step counter. Residuals differ between ranks:
+        save one checkpoint per rank to resume exactly."""
+        state = super().state_dict()
+        state["hvcomm"] = {"step": self._step, "residuals": self._memory.state_dict()}
+        return state
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore; hvcomm's state is restored when the dict has it, kept otherwise."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop("hvcomm", None)
+        if ours is not None:
+            self._step = ours["step"]
+            self._memory.load_state_dict(ours["residuals"])
         if any(b.pending is not None for b in self._buckets):
             raise HvcommError("load_state_dict() while gradients are in flight; call "
                               "synchronize() or step() first")

@@ -1,0 +1,78 @@
+"""One bucket's trip: compensate -> compress -> keep the residual -> communicate -> decompress."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+import collectives as C
+
+from .compression import Compressor
+from .engine import Engine, Handle
+from .memory import ErrorFeedback
+from .ops import as_numpy
+
+
+@dataclass
+class InFlight:
+    handle: Handle
+    payload: Any
+    ctx: Any
+    key: str
+
+
+def _collective_job(collective: str, payload: Any, ctx: Any):
+    """The engine job that carries ``payload`` with ``collective``; returns its result."""
+    if collective in ("allreduce", "allreduce_values"):
+        buf = as_numpy(payload)
+
+        def job(comm):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            return payload, 2 * (comm.Get_size() - 1) / comm.Get_size() * buf.nbytes
+    elif collective == "allgather":
+        def job(comm):
+            res = C.topk_allgather(comm, *payload, ctx[0], ctx[1], check=False)
+            return res, res.sent_bytes
+    elif collective == "gtopk":
+        def job(comm):
+            res = C.gtopk_allreduce(comm, *payload, ctx[0], ctx[1], check=False)
+            return res, res.sent_bytes
+    else:
+        raise ValueError(f"unknown collective {collective!r}")
+    return job
+
+
+class Reducer:
+    """Runs compressors the hvcomm way (with error feedback) or Horovod's way (any object
+    with compress/decompress, carried by a dense allreduce)."""
+
+    def __init__(self, engine: Engine, compressor: Any, memory: ErrorFeedback):
+        self.engine, self.compressor, self.memory = engine, compressor, memory
+        self.native = isinstance(compressor, Compressor)
+
+    def start(self, key: str, flat: torch.Tensor, step: int) -> InFlight:
+        comp = self.compressor
+        if not self.native:
+            payload, ctx = comp.compress(flat)
+            payload = payload.contiguous()
+            return InFlight(self.engine.submit(_collective_job("allreduce", payload, ctx)),
+                            payload, ctx, key)
+        acc = self.memory.compensate(key, flat) if comp.error_feedback else flat
+        payload, ctx = comp.compress(acc, step, key)
+        if comp.error_feedback:
+            self.memory.store(key, comp.residual(acc, payload, ctx))
+        return InFlight(self.engine.submit(_collective_job(comp.collective, payload, ctx)),
+                        payload, ctx, key)
+
+    def finish(self, job: InFlight):
+        """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""
+        result, sent = job.handle.wait()
+        comp = self.compressor
+        if self.native and comp.error_feedback:
+            comp.settle(self.memory.residuals[job.key], job.payload, result)
+        parts = job.payload if isinstance(job.payload, tuple) else (job.payload,)
+        payload_bytes = sum(p.nbytes if hasattr(p, "nbytes") else p.numel() * p.element_size()
+                            for p in parts)
+        return comp.decompress(result, job.ctx), sent, payload_bytes

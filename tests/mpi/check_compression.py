@@ -1,0 +1,161 @@
+"""Compressors inside the optimizer: exactness at density 1, residual conservation, the
+result equal to the sum of what every rank had applied, checkpoint resume, bad input."""
+import copy
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+from check_optimizer import (Net, assert_close, assert_same_everywhere, data, loss_fn,  # noqa: E402
+                             make_opt, shard, train_distributed)
+
+import hvcomm  # noqa: E402
+import hvcomm.torch as hvd  # noqa: E402
+from collectives import HvcommError  # noqa: E402
+from hvcomm.torch.memory import ErrorFeedback  # noqa: E402
+from hvcomm.torch.reducer import Reducer  # noqa: E402
+from hvcomm.torch.runtime import runtime  # noqa: E402
+
+C = hvcomm.Compression
+SPARSE = [lambda d: C.topk(d), lambda d: C.gtopk(d), lambda d: C.gtopk(d, scope="model"),
+          lambda d: C.topk(d, selector="exact", scope="bucket")]
+
+
+def check_density_one_equals_dense():
+    dense, _ = train_distributed(4)
+    for make in SPARSE:
+        model, opt = train_distributed(4, compression=make(1.0))
+        assert_same_everywhere(model)
+        assert_close(model, dense, tol=1e-12)
+
+
+def own_applied(comp, acc, payload, ctx, result):
+    """What this rank's payload put into the global result, as a dense vector."""
+    n = acc.numel()
+    mine = torch.zeros(n, dtype=acc.dtype)
+    if comp.collective in ("allgather", "gtopk"):
+        idx, val = torch.from_numpy(payload[0].astype("int64")), torch.from_numpy(payload[1])
+        if comp.collective == "gtopk":
+            keep = torch.from_numpy(result.reached)
+            idx, val = idx[keep], val[keep]
+        mine[idx] = val
+    elif comp.collective == "allreduce_values":
+        mine[ctx[1]] = payload
+    else:
+        mine = payload.to(acc.dtype) * comp.threshold
+    return mine
+
+
+def check_conservation(comp, steps=4):
+    """acc == residual + applied on every rank, and the reduced result == sum of applied.
+    Every rank runs every collective first and asserts last, so a failure cannot leave the
+    ranks in different collectives."""
+    r = hvd.rank()
+    memory = ErrorFeedback()
+    red = Reducer(runtime().engine, comp, memory)
+    problems = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        flat = torch.randn(997, generator=g)
+        acc_before = flat + memory.residuals.get("b", torch.zeros(997))
+        job = red.start("b", flat.clone(), step)
+        if torch.is_tensor(job.payload):  # summed in place by now: compress again (deterministic)
+            own, _ = comp.compress(acc_before.clone(), step, "b")
+        else:
+            own = job.payload
+        dense, sent, _ = red.finish(job)
+        result = job.handle.wait()[0]
+        applied = own_applied(comp, acc_before, own, job.ctx, result)
+        total = hvd.allreduce(applied, op=hvd.Sum)
+        gap = (memory.residuals["b"] + applied - acc_before).abs().max().item()
+        if gap > 1e-12:
+            problems.append(f"step {step}: residual + applied != accumulated (max gap {gap:.3g})")
+        gap = (dense - total).abs().max().item()
+        if gap > 1e-10:
+            problems.append(f"step {step}: result != sum of applied (max gap {gap:.3g})")
+        if comp.collective in ("allgather", "gtopk"):
+            most = comp.k_for(997, step) * (hvd.size() if comp.collective == "allgather" else 1)
+            if (dense != 0).sum() > most:
+                problems.append(f"step {step}: {(dense != 0).sum()} nonzeros, more than {most}")
+    assert not problems, "; ".join(problems)
+
+
+def check_checkpoint_resume():
+    """Each rank saves its own state (residuals differ) mid-run; resuming gives the same."""
+    r = hvd.rank()
+    comp = C.gtopk(0.05, warmup_steps=2)
+    full, _ = train_distributed(5, compression=comp)
+    model, opt = train_distributed(2, compression=comp)
+    state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    assert state["hvcomm"]["step"] == 2 and state["hvcomm"]["residuals"]
+    model2 = Net()
+    model2.load_state_dict(weights)
+    opt2 = hvd.DistributedOptimizer(make_opt(model2), named_parameters=model2.named_parameters(),
+                                    compression=comp)
+    opt2.load_state_dict(state)
+    for s in range(2, 5):
+        x, y = data(s, hvd.size())
+        opt2.zero_grad()
+        loss_fn(model2, shard(x, r), shard(y, r)).backward()
+        opt2.step()
+    assert_close(model2, full, tol=0)
+    # broadcast_optimizer_state leaves every rank's own residuals alone
+    before = {k: v.clone() for k, v in opt2._memory.residuals.items()}
+    hvd.broadcast_optimizer_state(opt2, root_rank=0)
+    for k, v in opt2._memory.residuals.items():
+        assert torch.equal(v, before[k])
+
+
+def check_warmup_schedule():
+    comp = C.topk(0.001, warmup_steps=8)
+    assert [comp.density_at(s) for s in range(10)] == [0.25, 0.25, 0.0625, 0.0625, 0.015625,
+                                                        0.015625, 0.004, 0.004, 0.001, 0.001]
+
+
+def expect_everywhere(fn, text):
+    try:
+        fn()
+    except HvcommError as e:
+        assert text in str(e), f"{text!r} not in {e}"
+        return
+    raise AssertionError(f"no error mentioning {text!r}")
+
+
+def check_bad_input():
+    for bad in (0, 1.5, -0.1, "0.1"):
+        expect_everywhere(lambda: C.gtopk(bad), "density must be in (0, 1]")
+    expect_everywhere(lambda: C.twobit(threshold=0), "threshold must be > 0")
+    expect_everywhere(lambda: C.topk(0.1, selector="fast"), "selector must be")
+    half = torch.nn.Linear(4, 4).to(torch.float16)
+    expect_everywhere(lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(half.parameters(), lr=0.1), named_parameters=half.named_parameters(),
+        compression=C.topk(0.1)), "needs float32 or float64")
+    if hvd.size() > 1:  # ranks asking for different compression are caught
+        m = Net()
+        comp = C.topk(0.1 if hvd.rank() else 0.2)
+        expect_everywhere(lambda: hvd.DistributedOptimizer(
+            make_opt(m), named_parameters=m.named_parameters(), compression=comp),
+            "ranks hold different models")
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    _keep = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                     named_parameters=emb.named_parameters(), compression=C.topk(0.5))
+    expect_everywhere(lambda: emb(torch.tensor([1, 2])).sum().backward(), "sparse gradients")
+
+
+def main():
+    torch.set_default_dtype(torch.float64)
+    hvd.init()
+    checks = Checks()
+    checks.run("density 1 equals dense", check_density_one_equals_dense)
+    for comp in (C.topk(0.05), C.gtopk(0.05), C.gtopk(0.01, selector="exact"), C.randomk(0.1),
+                 C.twobit(0.5), C.topk(0.3, warmup_steps=2)):
+        checks.run(f"conservation {comp!r}", check_conservation, comp)
+    checks.run("checkpoint resume", check_checkpoint_resume)
+    checks.run("warm-up schedule", check_warmup_schedule)
+    checks.run("bad input", check_bad_input)
+    checks.finish()
+
+
+if __name__ == "__main__":
+    main()
