@@ -31,15 +31,33 @@ def dense_bytes(model) -> float:
     return 2 * (n - 1) / n * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-# name -> (builder(optimizer, model) -> distributed optimizer, bytes per step per rank)
+def hvcomm_method(compression=None):
+    def build(opt, model):
+        return hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                        compression=compression or hvc.Compression.none)
+    return build, lambda opt, model: opt.comm_stats.sent_bytes
+
+
+def horovod_dense():
+    def build(opt, model):
+        return horovod_module().DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    return build, lambda opt, model: dense_bytes(model)  # Horovod reports none: ring model
+
+
+C = hvc.Compression
+# name -> (builder(optimizer, model) -> distributed optimizer, bytes sent per step per rank)
 METHODS = {
-    "hvcomm-dense": (
-        lambda opt, model: hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters()),
-        lambda opt, model: opt.comm_stats.sent_bytes),
-    "horovod-dense": (
-        lambda opt, model: horovod_module().DistributedOptimizer(
-            opt, named_parameters=model.named_parameters()),
-        lambda opt, model: dense_bytes(model)),  # Horovod reports none: ring model
+    "hvcomm-dense": hvcomm_method(),
+    "horovod-dense": horovod_dense(),
+    "hvcomm-fp16": hvcomm_method(C.fp16),
+    "topk-0.01": hvcomm_method(C.topk(0.01, scope="model")),
+    "topk-0.001": hvcomm_method(C.topk(0.001, scope="model")),
+    "gtopk-0.01": hvcomm_method(C.gtopk(0.01, scope="model")),
+    "gtopk-0.001": hvcomm_method(C.gtopk(0.001, scope="model")),
+    "gtopk-0.001-layerwise": hvcomm_method(C.gtopk(0.001, scope="layer")),
+    "gtopk-0.001-warmup": hvcomm_method(C.gtopk(0.001, scope="model", warmup_steps=200)),
+    "randomk-0.01": hvcomm_method(C.randomk(0.01, scope="model")),
+    "twobit-0.5": hvcomm_method(C.twobit(0.5)),
 }
 
 
@@ -62,8 +80,8 @@ def make_model(seed: int) -> torch.nn.Module:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", choices=sorted(METHODS), default="hvcomm-dense")
-    ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=32, help="per rank")
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=8, help="per rank")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the results of rank 0 as JSON here")

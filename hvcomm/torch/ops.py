@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives.dense import iring_allreduce
 from collectives.errors import HvcommError, check_agree
 
 from .compression import Compression
@@ -47,6 +48,10 @@ def check_signature(comm: MPI.Comm, sig: tuple, what: str) -> None:
         raise HvcommError(f"{what}: ranks submitted different collectives (this rank: {sig}); "
                           "every rank must call hvcomm collectives in the same order with "
                           "tensors of the same shape and dtype")
+
+
+def ring_allreduce(comm: MPI.Comm, buf: np.ndarray) -> None:
+    iring_allreduce(comm, buf).wait()
 
 
 def _register(handle: Handle, finish: Callable[[Any], Any]) -> int:
@@ -94,7 +99,10 @@ def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: t
 
     def job(comm):
         check_signature(comm, sig, f"allreduce {name or ''}".strip())
-        comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+        if buf.dtype == np.float16 and op in (Sum, Average):
+            ring_allreduce(comm, buf)  # MPI's float16 sum is slow: fp16 wire, fp32 adds
+        else:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
 
     def finish(_):
         if op == Average:

@@ -94,6 +94,12 @@ def check_dense_and_merged(comm, seed):
     expect = [sum(np.random.default_rng([seed, q, i]).integers(-9, 9, s).astype(np.float32)
                   for q in range(p)) for i, s in enumerate(shapes)]
     np.testing.assert_array_equal(C.allreduce(comm, mine[0]), expect[0])
+    for dtype in (np.float16, np.float32):  # ring with fp16 wire: integers stay exact
+        for n in (1, p - 1, 1000 + seed):
+            x = np.random.default_rng([seed, r, n]).integers(-9, 9, n).astype(dtype)
+            want = sum(np.random.default_rng([seed, q, n]).integers(-9, 9, n) for q in range(p))
+            C.iring_allreduce(comm, x).wait()
+            np.testing.assert_array_equal(x, want.astype(dtype))
     plan = C.BucketPlan.by_threshold([a.nbytes for a in mine], 40, order=reversed(range(7)))
     arrays = [a.copy() for a in mine]
     C.merged_allreduce(comm, arrays, plan)
