@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import launch, report
+from hvcomm import launch, netem, report
 
 WIDTH, LAYERS = 1600, 10  # 10 x (1600*1600 + 1600) = 25.6M parameters, 102 MB of float32
 
@@ -66,9 +66,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out")
+    netem.add_net_option(ap)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    net, label = netem.resolve_net(args.net)
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-dense-"))
     for p in args.sizes:
         res = {}
@@ -76,7 +78,7 @@ def main() -> None:
             res[fw] = launch.run_worker(p, [__file__, "--worker", "--framework", fw,
                                             "--batch", str(args.batch), "--warmup",
                                             str(args.warmup), "--iters", str(args.iters)],
-                                        timeout=900, out=tmp / f"{fw}-{p}.json")
+                                        timeout=900, out=tmp / f"{fw}-{p}.json", net=net)
         h, v = res["hvcomm"], res["horovod"]
         rows.append({"P": p, "hvcomm it/s": f"{1 / h['median_step_s']:.2f}",
                      "Horovod it/s": f"{1 / v['median_step_s']:.2f}",
@@ -87,11 +89,12 @@ def main() -> None:
         print(rows[-1], flush=True)
     text = report.table(rows)
     print(text)
-    report.write("dense_vs_horovod", "Dense training step: hvcomm vs Horovod", report.setting(
+    name = "dense_vs_horovod" + ("" if net == "shm" else f"_{net}")
+    report.write(name, "Dense training step: hvcomm vs Horovod", report.setting(
         model=f"{LAYERS} x Linear({WIDTH},{WIDTH}), {res['hvcomm']['params']:,} parameters (float32)",
         batch_per_rank=args.batch, iterations=f"{args.iters} timed after {args.warmup} warm-up, "
-        "median of the slowest rank", network="shared memory (no emulation); ranks beyond 2 "
-        "are oversubscribed on 2 cores", defaults="hvcomm 25 MiB buckets; Horovod 64 MiB fusion"),
+        "median of the slowest rank", network=label + "; ranks beyond 2 are oversubscribed "
+        "on 2 cores", defaults="hvcomm 25 MiB buckets; Horovod 64 MiB fusion"),
         text)
 
 

@@ -50,7 +50,7 @@ def main() -> None:
     text = report.table(rows)
     print(text)
     report.write("selection", "Top-k selection: exact vs sampled threshold", report.setting(
-        threads="1 (torch.set_num_threads(1))", data="Student-t(3) * 1e-3, float32",
+        network="none (local computation on one core)", threads="1 (torch.set_num_threads(1))", data="Student-t(3) * 1e-3, float32",
         timing=f"best of {args.repeats} after one warm-up",
         selector="SampledTopk: 20,000-element sample, threshold for 1.25 k candidates, exact "
                  "top-k among them (recall 1.0 whenever >= k pass), else lower it, else exact"),

@@ -7,8 +7,8 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from harness import Checks  # noqa: E402
-from check_optimizer import (Net, assert_close, assert_same_everywhere, data, loss_fn,  # noqa: E402
-                             make_opt, shard, train_distributed)
+from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  # noqa: E402
+                             expect_everywhere, loss_fn, make_opt, shard, train_distributed)
 
 import hvcomm  # noqa: E402
 import hvcomm.torch as hvd  # noqa: E402
@@ -111,15 +111,6 @@ def check_warmup_schedule():
     comp = C.topk(0.001, warmup_steps=8)
     assert [comp.density_at(s) for s in range(10)] == [0.25, 0.25, 0.0625, 0.0625, 0.015625,
                                                         0.015625, 0.004, 0.004, 0.001, 0.001]
-
-
-def expect_everywhere(fn, text):
-    try:
-        fn()
-    except HvcommError as e:
-        assert text in str(e), f"{text!r} not in {e}"
-        return
-    raise AssertionError(f"no error mentioning {text!r}")
 
 
 def check_bad_input():
