@@ -103,7 +103,6 @@ class _DistributedMixin:
     def _hvcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, fusion_threshold_bytes):
         rt = runtime()
-        self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
