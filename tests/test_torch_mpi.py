@@ -62,3 +62,8 @@ def test_horovodrun_launches_an_hvcomm_job():
 @pytest.mark.parametrize("n", SIZES)
 def test_compression_in_the_optimizer(n):
     mpirun(n, "check_compression.py", timeout=300)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_schedules_change_timing_not_weights(n):
+    mpirun(n, "check_schedule.py", timeout=400)

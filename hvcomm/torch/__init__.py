@@ -6,6 +6,7 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
                   broadcast_object, join, poll, synchronize)
 from .optimizer import DistributedOptimizer
+from .timeline import start_timeline, stop_timeline
 from .runtime import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                       mpi_comm, rank, shutdown, size)
 
@@ -14,6 +15,6 @@ __all__ = [
     "Product", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "cross_rank", "cross_size", "init", "is_initialized", "join",
+    "broadcast_parameters", "cross_rank", "start_timeline", "stop_timeline", "cross_size", "init", "is_initialized", "join",
     "local_rank", "local_size", "mpi_comm", "poll", "rank", "shutdown", "size", "synchronize",
 ]

@@ -5,6 +5,8 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
+from . import timeline
+
 
 class Handle:
     """The future of one submitted job: ``done()`` polls, ``wait()`` returns or re-raises."""
@@ -48,17 +50,22 @@ class Engine:
             item = self._jobs.get()
             if item is None:
                 return
-            job, handle = item
+            job, handle, name = item
             try:
-                handle._finish(job(self.comm))
+                if name is None:
+                    handle._finish(job(self.comm))
+                else:
+                    with timeline.measure(name, "comm"):
+                        handle._finish(job(self.comm))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 handle._finish(error=e)
 
-    def submit(self, job: Callable[[Any], Any]) -> Handle:
+    def submit(self, job: Callable[[Any], Any], name: Optional[str] = None) -> Handle:
+        """Queue ``job``; ``name`` labels its span on the timeline, when one is active."""
         if not self._thread.is_alive():
             raise RuntimeError("hvcomm engine is shut down; call hvcomm.torch.init() first")
         handle = Handle()
-        self._jobs.put((job, handle))
+        self._jobs.put((job, handle, name))
         return handle
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,11 +15,16 @@ from mpi4py import MPI
 from collectives.errors import HvcommError, raise_together
 from collectives.merged import BucketPlan
 
-from .compression import Compression, Compressor
+from hvcomm import planner
+
+from . import timeline
+from .compression import Compression, Compressor, NoneCompressor
 from .memory import ErrorFeedback
 from .ops import Average, Sum
+from .p3 import P3Round
 from .reducer import Reducer
 from .runtime import runtime
+from .schedule import SCHEDULES, Profiler, cost_for, observed_trace
 
 
 
@@ -101,7 +107,8 @@ class _DistributedMixin:
     """Placed in front of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _hvcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, groups, fusion_threshold_bytes):
+                      gradient_predivide_factor, groups, fusion_threshold_bytes, schedule,
+                      profile_steps, slice_elems, model):
         rt = runtime()
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -114,17 +121,20 @@ class _DistributedMixin:
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         spec = [(self._names[p], tuple(p.shape), str(p.dtype)) for p in params]
         _agree_on_parameters(rt.comm, spec + [("options", backward_passes_per_step, op,
-                                               gradient_predivide_factor, repr(compression))])
+                                               gradient_predivide_factor, repr(compression),
+                                               schedule, profile_steps, slice_elems,
+                                               model is not None)])
+        self._params = params
+        self._index = {p: i for i, p in enumerate(params)}
+        self.schedule = schedule
+        self._fusion_threshold = fusion_threshold_bytes
         scope = getattr(compression, "scope", "bucket")
         if scope != "bucket" and groups is None:
             fusion_threshold_bytes = 0 if scope == "layer" else 2**62
-        self._buckets = self._plan(params, groups, fusion_threshold_bytes)
-        for b in self._buckets:
-            b.key = "|".join(self._names[p] for p in b.params)
         self._memory = ErrorFeedback()
+        self._set_buckets(self._plan(params, groups, fusion_threshold_bytes))
         self._reducer = Reducer(rt.engine, compression, self._memory)
         self._step = 0                     # synchronizations so far (density warm-up, seeds)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._delay = {p: backward_passes_per_step for p in params}
         self._next_launch = 0
         self._hooks_fired = False
@@ -132,11 +142,24 @@ class _DistributedMixin:
         self._should_synchronize = True
         self.comm_stats = CommStats()      # the last completed synchronize()
         self._inflight = CommStats()       # the one under way
+        # scheduling: profile, then plan (planner schedules); or P3 rounds
+        self.schedule_report: List[planner.Prediction] = []  # every schedule, once planned
+        self.plan_prediction: Optional[planner.Prediction] = None  # the one in use
+        self._profiler = (Profiler(len(params), steps=profile_steps)
+                          if schedule in planner.SCHEDULES else None)
+        self._slice_elems = slice_elems
+        self._round: Optional[P3Round] = None      # P3: this iteration's gradients
+        self._deferred: Optional[P3Round] = None   # P3: last iteration's, applied layer by layer
+        self._deferred_left: set = set()
+        self._zeroed_since_step = False
+        self._iter_start_us = timeline.Timeline.now_us()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        if model is not None:
+            self._attach_model(model)
         self._patch_step_function()
 
     @staticmethod
-    def _plan(params, groups, threshold_bytes) -> List[_Bucket]:
+    def _plan(params, groups, threshold_bytes) -> List[List[torch.nn.Parameter]]:
         """Buckets in launch order: reverse registration order, the usual backward order."""
         if isinstance(groups, list):
             grouped = [list(g) for g in groups]
@@ -144,15 +167,45 @@ class _DistributedMixin:
             grouped += [[p] for p in params if id(p) not in seen]
             position = {id(p): i for i, p in enumerate(params)}
             grouped.sort(key=lambda g: -max(position[id(p)] for p in g))
-            return [_Bucket(g) for g in grouped]
+            return grouped
         order = list(reversed(range(len(params))))
         if isinstance(groups, int) and groups > 0:
             per = -(-len(params) // groups)
-            return [_Bucket([params[i] for i in order[s:s + per]])
-                    for s in range(0, len(order), per)]
+            return [[params[i] for i in order[s:s + per]] for s in range(0, len(order), per)]
         plan = BucketPlan.by_threshold([p.numel() * p.element_size() for p in params],
                                        threshold_bytes, order, keys=[p.dtype for p in params])
-        return [_Bucket([params[i] for i in b]) for b in plan.buckets]
+        return [[params[i] for i in b] for b in plan.buckets]
+
+    def _set_buckets(self, groups: List[List[torch.nn.Parameter]]) -> None:
+        """Install a new grouping; error-feedback residuals are carried over parameter by
+        parameter, so replanning loses no state."""
+        per_param = self._residuals_by_param()
+        self._buckets = [_Bucket(list(g)) for g in groups]
+        self._memory.residuals = {}
+        for b in self._buckets:
+            b.key = "|".join(self._names[p] for p in b.params)
+            self._pack_residual(b, per_param)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+
+    def _residuals_by_param(self) -> Dict[str, torch.Tensor]:
+        out = {}
+        for b in getattr(self, "_buckets", []):
+            res = self._memory.residuals.get(b.key)
+            if res is None:
+                continue
+            offset = 0
+            for p in b.params:
+                out[self._names[p]] = res[offset:offset + p.numel()]
+                offset += p.numel()
+        return out
+
+    def _pack_residual(self, bucket: _Bucket, per_param: Dict[str, torch.Tensor]) -> None:
+        parts = [per_param.get(self._names[p]) for p in bucket.params]
+        if all(r is None for r in parts):
+            return
+        self._memory.residuals[bucket.key] = torch.cat([
+            r.reshape(-1) if r is not None else torch.zeros(p.numel(), dtype=p.dtype)
+            for r, p in zip(parts, bucket.params)])
 
     # -- hooks: count passes, launch complete buckets in the fixed order ----------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -163,11 +216,21 @@ class _DistributedMixin:
             raise HvcommError("Gradients were computed more than backward_passes_per_step times "
                               "before step(); increase backward_passes_per_step to accumulate "
                               "gradients locally")
+        if self._deferred is not None:  # a P3 parameter used before its owner's forward
+            self._apply_deferred(set(self._deferred_left))
+        if not self._hooks_fired and timeline.active():
+            timeline.active().span("forward+backward (to first gradient)", self._iter_start_us,
+                                   timeline.Timeline.now_us())
         self._hooks_fired = True
         self._delay[p] -= 1
         if self._delay[p] == 0:
-            self._bucket_of[p].ready += 1
-            self._launch_ready()
+            if self._profiler is not None:
+                self._profiler.grad_ready(self._index[p])
+            if self.schedule == "p3":
+                self._p3_ready(p)
+            else:
+                self._bucket_of[p].ready += 1
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
         while (self._next_launch < len(self._buckets)
@@ -175,38 +238,138 @@ class _DistributedMixin:
             self._launch(self._buckets[self._next_launch])
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _flat_grad(self, params) -> torch.Tensor:
         grads = []
-        for p in bucket.params:
+        for p in params:
             if p.grad is None:  # no gradient on this rank (unused branch): contribute zeros
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.detach().reshape(-1))
         flat = torch.cat(grads).cpu()
         if self.op == Average and self.gradient_predivide_factor != 1.0:
             flat.div_(self.gradient_predivide_factor)
-        bucket.pending = self._reducer.start(bucket.key, flat, self._step)
+        return flat
+
+    def _launch(self, bucket: _Bucket) -> None:
+        with timeline.measure("compress+launch", bucket=bucket.key[:80]):
+            bucket.pending = self._reducer.start(bucket.key, self._flat_grad(bucket.params),
+                                                 self._step)
         self._inflight.messages += 1
 
+    # -- P3 ------------------------------------------------------------------------------------
+    def _p3_ready(self, p: torch.nn.Parameter) -> None:
+        if self._round is None:
+            self._round = P3Round([q.numel() for q in self._params],
+                                  [q.dtype for q in self._params],
+                                  [self._names[q] for q in self._params], self._slice_elems)
+            self._round_handle = runtime().engine.submit(self._round.job)
+        self._round.ready(self._index[p], self._flat_grad([p]))
+
+    def _p3_close(self) -> P3Round:
+        """Hand over every gradient not handed over yet (zeros where none); the round's job
+        then finishes on every rank."""
+        if self._round is None:
+            self._p3_ready(self._params[0])
+        r, self._round = self._round, None
+        for i, p in enumerate(self._params):
+            if not r.is_ready(i):
+                r.ready(i, self._flat_grad([p]))
+        return r
+
+    def _p3_collect(self, r: P3Round, indices) -> None:
+        """Wait for these parameters' sums and put the average into .grad."""
+        scale = self._scale()
+        with timeline.measure("wait"):
+            for i in sorted(indices):
+                p = self._params[i]
+                p.grad = (r.wait(i) * scale if scale != 1.0 else r.wait(i)).view_as(p)
+
+    def _p3_stats(self, r: P3Round) -> CommStats:
+        self._round_handle.wait()
+        return CommStats(r.messages + r.negotiations, r.payload_bytes, r.sent_bytes)
+
+    def _attach_model(self, model: torch.nn.Module) -> None:
+        """P3's overlap with the next forward: each module's forward first applies the
+        deferred update of the parameters it owns, waiting only for their slices."""
+        self._module_hooks = []
+        for module in model.modules():
+            owned = {self._index[p] for p in module.parameters(recurse=False) if p in self._index}
+            if owned:
+                self._module_hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _inp, owned=owned: self._apply_deferred(owned)))
+        self._module_hooks.append(model.register_state_dict_pre_hook(
+            lambda *_a, **_k: self.finish_pending()))
+
+    def _apply_deferred(self, indices) -> None:
+        todo = self._deferred_left & set(indices)
+        if not todo or self._deferred is None:
+            return
+        r = self._deferred
+        params = [self._params[i] for i in sorted(todo)]
+        saved = [p.grad for p in params]
+        self._p3_collect(r, todo)
+        self._deferred_left -= todo
+        if not self._deferred_left:
+            self._deferred = None
+            self.comm_stats = self._p3_stats(r)
+        with timeline.measure("update", params=len(params)):
+            self._update_only(params)
+        if self._zeroed_since_step:
+            for p, g in zip(params, saved):
+                p.grad = g
+
+    def _update_only(self, params) -> None:
+        """The wrapped optimizer's step on a subset of the parameters."""
+        keep = {id(p) for p in params}
+        saved = [g["params"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+        try:
+            super().step()
+        finally:
+            for g, ps in zip(self.param_groups, saved):
+                g["params"] = ps
+
+    def finish_pending(self) -> None:
+        """Apply any update still deferred by the P3 schedule (done by itself before the next
+        backward, state_dict() and the model's state_dict(); call it before reading weights
+        any other way)."""
+        if self._deferred is not None:
+            self._apply_deferred(set(self._deferred_left))
+
     # -- Horovod's optimizer interface --------------------------------------------------------
+    def _scale(self) -> float:
+        size = runtime().comm.Get_size()
+        return self.gradient_predivide_factor / size if self.op == Average else 1.0
+
     def synchronize(self) -> None:
         """Finish this iteration's gradient averaging (launching what the hooks did not)."""
+        if self.schedule == "p3":
+            self.finish_pending()
+            r = self._p3_close()
+            self._p3_collect(r, range(len(self._params)))
+            self.comm_stats = self._p3_stats(r)
+            self._end_iteration()
+            return
         for bucket in self._buckets[self._next_launch:]:
             self._launch(bucket)
-        size = runtime().comm.Get_size()
-        scale = self.gradient_predivide_factor / size if self.op == Average else 1.0
-        for bucket in self._buckets:
-            flat, sent, payload_bytes = self._reducer.finish(bucket.pending)
-            self._inflight.sent_bytes += sent
-            self._inflight.payload_bytes += payload_bytes
-            if scale != 1.0:
-                flat = flat * scale
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-            bucket.pending, bucket.ready = None, 0
+        scale = self._scale()
+        with timeline.measure("wait"):
+            for bucket in self._buckets:
+                flat, sent, payload_bytes = self._reducer.finish(bucket.pending)
+                self._inflight.sent_bytes += sent
+                self._inflight.payload_bytes += payload_bytes
+                if scale != 1.0:
+                    flat = flat * scale
+                offset = 0
+                for p in bucket.params:
+                    n = p.numel()
+                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+                bucket.pending, bucket.ready = None, 0
         self.comm_stats, self._inflight = self._inflight, CommStats()
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
         self._reset_counters()
         self._step += 1
         self._synchronized = True
@@ -216,6 +379,31 @@ class _DistributedMixin:
             self._delay[p] = self.backward_passes_per_step
         self._next_launch = 0
         self._hooks_fired = False
+
+    def _next_profile_iteration(self) -> None:
+        self._iter_start_us = timeline.Timeline.now_us()
+        prof = self._profiler
+        if prof is None:
+            return
+        was_recording = prof.recording
+        prof.next_iteration()
+        if was_recording and prof.complete:
+            self._replan()
+            self._profiler = None
+
+    def _replan(self) -> None:
+        """Plan the buckets from the profile, identically on every rank (collective)."""
+        rt = runtime()
+        ready, update_s = rt.engine.submit(lambda comm: self._profiler.agreed(comm)).wait()
+        order, trace = observed_trace(ready, update_s,
+                                      [p.numel() * p.element_size() for p in self._params],
+                                      [str(p.dtype) for p in self._params],
+                                      [self._names[p] for p in self._params])
+        cost = cost_for(rt.engine)
+        self.schedule_report = planner.compare(trace, cost, self._fusion_threshold)
+        self.plan_prediction = next(p for p in self.schedule_report if p.schedule == self.schedule)
+        self._set_buckets([[self._params[order[i]] for i in bucket]
+                           for bucket in self.plan_prediction.plan.buckets])
 
     @contextmanager
     def skip_synchronize(self):
@@ -231,34 +419,64 @@ class _DistributedMixin:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "after optimizer.synchronize(); gradients are averaged twice")
+            if self.schedule == "p3" and getattr(self, "_module_hooks", None) and closure is None:
+                return self._p3_defer()
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        t0 = time.perf_counter()
+        with timeline.measure("update"):
+            loss = super().step(closure)
+        if self._profiler is not None:
+            self._profiler.update_took(time.perf_counter() - t0)
+        self._next_profile_iteration()
+        return loss
+
+    def _p3_defer(self):
+        """P3 with a model: hand everything over and return; each module's next forward
+        applies its own parameters' update when their slices have arrived."""
+        self.finish_pending()
+        r = self._p3_close()
+        self._deferred, self._deferred_left = r, set(range(len(self._params)))
+        self._zeroed_since_step = False
+        self._end_iteration()
+        self._synchronized = False
+        self._next_profile_iteration()
+        return None
 
     def zero_grad(self, set_to_none: bool = True):
         if self._hooks_fired:
             raise HvcommError("optimizer.zero_grad() was called after loss.backward() but before "
                               "optimizer.step() or optimizer.synchronize(); call step() first")
+        self._zeroed_since_step = True
         return super().zero_grad(set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state plus hvcomm's own, under "hvcomm": this rank's
-        error-feedback residuals and the step counter. Residuals differ between ranks:
-        save one checkpoint per rank to resume exactly."""
+        error-feedback residuals (by parameter name) and the step counter. Residuals differ
+        between ranks: save one checkpoint per rank to resume exactly."""
+        self.finish_pending()
         state = super().state_dict()
-        state["hvcomm"] = {"step": self._step, "residuals": self._memory.state_dict()}
+        state["hvcomm"] = {"step": self._step,
+                           "residuals_by_param": {k: v.clone() for k, v in
+                                                  self._residuals_by_param().items()}}
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore; hvcomm's state is restored when the dict has it, kept otherwise."""
+        self.finish_pending()
         state_dict = dict(state_dict)
         ours = state_dict.pop("hvcomm", None)
-        if ours is not None:
-            self._step = ours["step"]
-            self._memory.load_state_dict(ours["residuals"])
-        if any(b.pending is not None for b in self._buckets):
+        if any(b.pending is not None for b in self._buckets) or self._round is not None:
             raise HvcommError("load_state_dict() while gradients are in flight; call "
                               "synchronize() or step() first")
+        if ours is not None:
+            self._step = ours["step"]
+            if "residuals_by_param" in ours:
+                self._memory.residuals = {}
+                for b in self._buckets:
+                    self._pack_residual(b, ours["residuals_by_param"])
+            else:
+                self._memory.load_state_dict(ours["residuals"])
         for b in self._buckets:
             b.ready = 0
         self._inflight = CommStats()
@@ -276,12 +494,45 @@ def _distributed_class(base: type) -> type:
     return Distributed
 
 
+def _schedule_problem(schedule, compression, groups, profile_steps, slice_elems, model,
+                      params) -> Optional[str]:
+    if schedule is None:
+        return "model= is used by schedule='p3' only" if model is not None else None
+    if schedule not in SCHEDULES:
+        return f"schedule must be one of {SCHEDULES} (or None), got {schedule!r}"
+    if groups is not None:
+        return "pass either groups= or schedule=, not both"
+    if schedule == "p3":
+        if type(compression) is not NoneCompressor:
+            return ("schedule='p3' sends dense slices and takes no compression; use "
+                    "compression=Compression.none or a merging schedule such as 'mgwfbp'")
+        if not isinstance(slice_elems, int) or slice_elems < 1:
+            return f"slice_elems must be a positive integer, got {slice_elems!r}"
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                return f"model must be a torch.nn.Module, got {type(model).__name__}"
+            owned = {id(p) for p in model.parameters()}
+            if not all(id(p) in owned for p in params):
+                return "model= must own every parameter of the optimizer"
+        return None
+    if model is not None:
+        return "model= is used by schedule='p3' only"
+    if getattr(compression, "scope", "bucket") != "bucket":
+        return (f"schedule={schedule!r} plans the buckets, but the compressor's scope is "
+                f"{compression.scope!r}; create it with scope='bucket'")
+    if not isinstance(profile_steps, int) or profile_steps < 1:
+        return f"profile_steps must be a positive integer, got {profile_steps!r}"
+    return None
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: Compressor = Compression.none,
                          backward_passes_per_step: int = 1, op: str = Average,
                          gradient_predivide_factor: float = 1.0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, *,
-                         fusion_threshold_bytes: Optional[int] = None):
+                         fusion_threshold_bytes: Optional[int] = None,
+                         schedule: Optional[str] = None, profile_steps: int = 3,
+                         slice_elems: int = 50_000, model: Optional[torch.nn.Module] = None):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     Horovod's signature and semantics: gradients are summed locally over
@@ -293,11 +544,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     contribute zeros. The result is an instance of ``type(optimizer)`` (a subclass of it),
     sharing its state and param_groups. Collective: every rank must call it; bad arguments
     or models that differ between ranks raise on every rank.
+
+    ``schedule`` (default None: the fusion threshold above, in reverse registration order)
+    plans the buckets from a profile of the first iterations (1 skipped, then
+    ``profile_steps``) and a cost fit of the communicator: "mgwfbp" (the grouping with the
+    earliest predicted end of communication), "merge_rule" (MG-WFBP's greedy rule), "wfbp"
+    (one tensor per message), "single" (one message after backward), "threshold" (the
+    fusion threshold, in observed order). The predictions of all of them are then in
+    ``optimizer.schedule_report``. "p3" sends slices of ``slice_elems`` elements, the
+    parameters closest to the input first; with ``model=`` the update is deferred to each
+    module's next forward, which waits only for its own parameters.
     """
     rt = runtime()
     named = list(named_parameters) if named_parameters is not None else None
     problem = _local_problems(optimizer, named, compression, backward_passes_per_step, op,
                               gradient_predivide_factor)
+    if problem is None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        problem = _schedule_problem(schedule, compression, groups, profile_steps, slice_elems,
+                                    model, params)
     if problem is None and sparse_as_dense is not False:
         problem = "sparse_as_dense is not supported: hvcomm reduces dense gradients only"
     if problem is None and process_set is not None:
@@ -309,5 +574,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)
     opt._hvcomm_setup(named, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, groups, fusion_threshold_bytes)
+                      gradient_predivide_factor, groups, fusion_threshold_bytes, schedule,
+                      profile_steps, slice_elems, model)
     return opt

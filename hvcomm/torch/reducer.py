@@ -61,14 +61,14 @@ class Reducer:
         if not self.native:
             payload, ctx = comp.compress(flat)
             payload = payload.contiguous()
-            return InFlight(self.engine.submit(_collective_job("allreduce", payload, ctx)),
-                            payload, ctx, key)
+            return InFlight(self.engine.submit(_collective_job("allreduce", payload, ctx),
+                                               f"allreduce {key[:80]}"), payload, ctx, key)
         acc = self.memory.compensate(key, flat) if comp.error_feedback else flat
         payload, ctx = comp.compress(acc, step, key)
         if comp.error_feedback:
             self.memory.store(key, comp.residual(acc, payload, ctx))
-        return InFlight(self.engine.submit(_collective_job(comp.collective, payload, ctx)),
-                        payload, ctx, key)
+        return InFlight(self.engine.submit(_collective_job(comp.collective, payload, ctx),
+                                           f"{comp.collective} {key[:80]}"), payload, ctx, key)
 
     def finish(self, job: InFlight):
         """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
+from . import timeline
 from .engine import Engine
 
 
@@ -79,6 +80,8 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
         abort_on_error = os.environ.get("HVCOMM_ABORT_ON_ERROR", "1") != "0"
     if abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
         _previous_excepthook, sys.excepthook = sys.excepthook, _abort_on_uncaught
+    if os.environ.get("HVCOMM_TIMELINE"):
+        timeline.start_timeline(os.environ["HVCOMM_TIMELINE"])
     atexit.register(shutdown)
 
 
@@ -87,8 +90,10 @@ def shutdown() -> None:
     global _runtime, _previous_excepthook
     if _runtime is None:
         return
-    rt, _runtime = _runtime, None
+    rt = _runtime
     rt.engine.close()
+    timeline.stop_timeline()
+    _runtime = None
     if not MPI.Is_finalized():
         for c in (rt.engine.comm, rt.cross_comm, rt.local_comm, rt.comm):
             c.Free()

@@ -12,7 +12,6 @@ from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  #
 
 import hvcomm  # noqa: E402
 import hvcomm.torch as hvd  # noqa: E402
-from collectives import HvcommError  # noqa: E402
 from hvcomm.torch.memory import ErrorFeedback  # noqa: E402
 from hvcomm.torch.reducer import Reducer  # noqa: E402
 from hvcomm.torch.runtime import runtime  # noqa: E402
@@ -88,7 +87,7 @@ def check_checkpoint_resume():
     full, _ = train_distributed(5, compression=comp)
     model, opt = train_distributed(2, compression=comp)
     state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
-    assert state["hvcomm"]["step"] == 2 and state["hvcomm"]["residuals"]
+    assert state["hvcomm"]["step"] == 2 and state["hvcomm"]["residuals_by_param"]
     model2 = Net()
     model2.load_state_dict(weights)
     opt2 = hvd.DistributedOptimizer(make_opt(model2), named_parameters=model2.named_parameters(),

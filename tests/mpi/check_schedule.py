@@ -1,0 +1,205 @@
+"""Schedules (WFBP, single, threshold, MG-WFBP, merge rule, P3) change timing, never weights;
+profiling replans identically on every rank; unused branches and shared weights; timeline."""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  # noqa: E402
+                             expect_everywhere, make_opt, shard, train_distributed,
+                             train_serial)
+
+import hvcomm.torch as hvd  # noqa: E402
+from hvcomm import planner  # noqa: E402
+
+STEPS = 7  # one skipped, three profiled, replanned before step 4
+
+
+def check_schedule_matches_serial(schedule, with_model=False, **kw):
+    if with_model:
+        kw["model"] = "model"  # train_distributed passes its own model
+    model, opt = train_distributed_with(STEPS, schedule=schedule, **kw)
+    opt.finish_pending()
+    assert_same_everywhere(model)
+    assert_close(model, train_serial(STEPS))
+    if schedule in planner.SCHEDULES:
+        names = [p.schedule for p in opt.schedule_report]
+        assert names == list(planner.SCHEDULES), names
+        assert opt.plan_prediction.schedule == schedule
+        best = min(p.iteration_s for p in opt.schedule_report)
+        mg = next(p for p in opt.schedule_report if p.schedule == "mgwfbp")
+        assert mg.iteration_s <= best + 1e-12
+        # the plan is identical everywhere and covers every parameter once
+        plan = [[opt._names[p] for p in b.params] for b in opt._buckets]
+        assert hvd.allgather_object(plan) == [plan] * hvd.size()
+        assert sorted(n for b in plan for n in b) == sorted(opt._names.values())
+    if schedule == "p3":
+        nbytes = sum(p.numel() * 8 for p in model.parameters())
+        assert opt.comm_stats.payload_bytes == nbytes, (opt.comm_stats, nbytes)
+        slices = sum(-(-p.numel() // kw["slice_elems"]) for p in model.parameters())
+        assert opt.comm_stats.messages >= slices
+
+
+def train_distributed_with(steps, model=None, **kw):
+    if model != "model":
+        return train_distributed(steps, **kw)
+    r = hvd.rank()
+    net = Net()
+    opt = hvd.DistributedOptimizer(make_opt(net), named_parameters=net.named_parameters(),
+                                   model=net, **kw)
+    for s in range(steps):
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(shard(x, r)), shard(y, r)).backward()
+        opt.step()
+    return net, opt
+
+
+class Tied(torch.nn.Module):
+    """A shared weight (used twice per forward) and a branch some ranks never use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.inp = torch.nn.Linear(10, 12)
+        self.mid = torch.nn.Linear(12, 12)
+        self.unused = torch.nn.Linear(12, 12)
+        self.out = torch.nn.Linear(12, 3)
+
+    def forward(self, x, use_branch):
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        h = torch.tanh(self.mid(h))  # shared: mid's hooks fire once, after both uses
+        if use_branch:
+            h = h + torch.tanh(self.unused(h))
+        return self.out(h)
+
+
+def check_unused_branch_and_shared_weight(schedule):
+    r = hvd.rank()
+    model = Tied()
+    kw = {"model": model, "slice_elems": 50} if schedule == "p3" else {}
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   schedule=schedule, **kw)
+    for s in range(STEPS):
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        use = (r == 0 and s % 2 == 0)  # rank 0 uses the branch on even steps only
+        torch.nn.functional.cross_entropy(model(shard(x, r), use), shard(y, r)).backward()
+        opt.step()
+    opt.finish_pending()
+    assert_same_everywhere(model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def check_residuals_survive_replanning():
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.topk(0.3, scope="bucket"))
+    x, y = data(0, hvd.size())
+    torch.nn.functional.cross_entropy(model(shard(x, hvd.rank())), shard(y, hvd.rank())).backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt._residuals_by_param().items()}
+    assert before and any(v.abs().sum() > 0 for v in before.values())
+    opt._set_buckets([[p] for p in opt._params])  # one bucket per tensor instead
+    after = opt._residuals_by_param()
+    assert sorted(before) == sorted(after)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+
+
+def check_compressed_schedule_density_one():
+    """Merge, then compress per bucket: top-k at density 1 is dense, so weights match."""
+    model, opt = train_distributed(STEPS, schedule="mgwfbp",
+                                   compression=hvd.Compression.topk(1.0, scope="bucket"))
+    assert_close(model, train_serial(STEPS))
+    assert opt.plan_prediction is not None
+
+
+def check_timeline():
+    tmp = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    path = os.path.join(tmp, f"tl{hvd.rank()}", "timeline.json")
+    hvd.start_timeline(path)
+    train_distributed(3, schedule="wfbp")
+    hvd.stop_timeline()
+    if hvd.size() > 1:
+        path = path.replace("timeline.json", f"timeline.rank{hvd.rank()}.json")
+    with open(path) as f:
+        events = json.load(f)
+    spans = [e for e in events if e.get("ph") == "X"]
+    comm = [e for e in spans if e["tid"] == 2]
+    main = {e["name"] for e in spans if e["tid"] == 1}
+    assert comm and {"wait", "update", "compress+launch"} <= main, main
+    assert all(e["pid"] == hvd.rank() and e["dur"] >= 0 for e in spans)
+
+
+def check_p3_priority_overtakes():
+    """A high-priority gradient that becomes ready while a long low-priority one is being
+    sent goes next; the order is identical on every rank; the sums are right."""
+    import time
+    from hvcomm.torch.p3 import P3Round
+    from hvcomm.torch.runtime import runtime
+    n, r = hvd.size(), hvd.rank()
+    rnd = P3Round([40, 30, 4000], [torch.float64] * 3, ["a", "b", "c"], slice_elems=10)
+    handle = runtime().engine.submit(rnd.job)
+    grads = [torch.full((k,), float(r + 1), dtype=torch.float64) for k in (40, 30, 4000)]
+    rnd.ready(2, grads[2].clone())            # lowest priority, 400 slices
+    while len(rnd.sent) < 5:
+        time.sleep(0.001)
+    rnd.ready(1, grads[1].clone())
+    rnd.ready(0, grads[0].clone())
+    handle.wait()
+    total = n * (n + 1) / 2
+    for i in range(3):
+        assert torch.equal(rnd.wait(i), torch.full_like(grads[i], total)), i
+    order = rnd.sent
+    assert hvd.allgather_object(order) == [order] * n
+    first_a = order.index((0, 0))
+    assert order[first_a:first_a + 7] == [(0, s) for s in range(4)] + [(1, s) for s in range(3)]
+    assert any(i == 2 for i, _ in order[first_a + 7:]), "c was not overtaken"
+    assert rnd.messages == 4 + 3 + 400
+
+
+def check_bad_schedules():
+    odd = hvd.rank() == hvd.size() - 1
+
+    def build(**kw):
+        m = Net()
+        return hvd.DistributedOptimizer(make_opt(m), named_parameters=m.named_parameters(), **kw)
+
+    expect_everywhere(lambda: build(schedule="fastest" if odd else "wfbp"), "schedule must be")
+    expect_everywhere(lambda: build(schedule="p3", compression=hvd.Compression.fp16),
+                      "takes no compression")
+    expect_everywhere(lambda: build(schedule="mgwfbp", compression=hvd.Compression.topk(0.1)),
+                      "scope='bucket'")
+    expect_everywhere(lambda: build(schedule="p3", slice_elems=0), "slice_elems")
+    expect_everywhere(lambda: build(schedule="wfbp", model=Net()), "schedule='p3' only")
+    expect_everywhere(lambda: build(schedule="p3", model=Net()), "must own every parameter")
+
+
+def main():
+    hvd.init()
+    checks = Checks()
+    for schedule in planner.SCHEDULES:
+        checks.run(f"{schedule} matches serial", check_schedule_matches_serial, schedule)
+    checks.run("p3 (no model) matches serial", check_schedule_matches_serial, "p3",
+               slice_elems=37)
+    checks.run("p3 (model, deferred updates) matches serial", check_schedule_matches_serial,
+               "p3", with_model=True, slice_elems=37)
+    for schedule in planner.SCHEDULES + ("p3",):
+        checks.run(f"{schedule}: unused branch and shared weight",
+                   check_unused_branch_and_shared_weight, schedule)
+    checks.run("residuals survive replanning", check_residuals_survive_replanning)
+    checks.run("mgwfbp + top-k density 1 matches serial", check_compressed_schedule_density_one)
+    checks.run("timeline", check_timeline)
+    checks.run("p3: priority slices overtake", check_p3_priority_overtakes)
+    checks.run("bad schedules raise on every rank", check_bad_schedules)
+    checks.finish()
+
+
+if __name__ == "__main__":
+    main()
