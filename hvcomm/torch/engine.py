@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from . import timeline
@@ -15,9 +16,11 @@ class Handle:
         self._event = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        self.finished_at = 0.0  # time.perf_counter() when the job ended
 
     def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
         self._result, self._error = result, error
+        self.finished_at = time.perf_counter()
         self._event.set()
 
     def done(self) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import dataclasses
 import hashlib
 import time
 import warnings
@@ -9,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -108,7 +110,7 @@ class _DistributedMixin:
 
     def _hvcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, fusion_threshold_bytes, schedule,
-                      profile_steps, slice_elems, model):
+                      profile_steps, slice_elems, model, trial_steps):
         rt = runtime()
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -123,7 +125,7 @@ class _DistributedMixin:
         _agree_on_parameters(rt.comm, spec + [("options", backward_passes_per_step, op,
                                                gradient_predivide_factor, repr(compression),
                                                schedule, profile_steps, slice_elems,
-                                               model is not None)])
+                                               model is not None, trial_steps)])
         self._params = params
         self._index = {p: i for i, p in enumerate(params)}
         self.schedule = schedule
@@ -132,6 +134,8 @@ class _DistributedMixin:
         if scope != "bucket" and groups is None:
             fusion_threshold_bytes = 0 if scope == "layer" else 2**62
         self._memory = ErrorFeedback()
+        if schedule in planner.SCHEDULES:  # profile with everything sent after backward
+            fusion_threshold_bytes = 2**62
         self._set_buckets(self._plan(params, groups, fusion_threshold_bytes))
         self._reducer = Reducer(rt.engine, compression, self._memory)
         self._step = 0                     # synchronizations so far (density warm-up, seeds)
@@ -147,6 +151,12 @@ class _DistributedMixin:
         self.plan_prediction: Optional[planner.Prediction] = None  # the one in use
         self._profiler = (Profiler(len(params), steps=profile_steps)
                           if schedule in planner.SCHEDULES else None)
+        self._trial_steps = trial_steps
+        self._trials = None                # "mgwfbp": the race between candidate plans
+        self.trial_report: Dict[str, float] = {}   # candidate -> best measured iteration (s)
+        self.plan_origin: Optional[str] = None     # which candidate's plan "mgwfbp" kept
+        self._order = list(range(len(params)))
+        self._last_step_end = time.perf_counter()
         self._slice_elems = slice_elems
         self._round: Optional[P3Round] = None      # P3: this iteration's gradients
         self._deferred: Optional[P3Round] = None   # P3: last iteration's, applied layer by layer
@@ -353,19 +363,22 @@ class _DistributedMixin:
         for bucket in self._buckets[self._next_launch:]:
             self._launch(bucket)
         scale = self._scale()
+        comm_end = 0.0
         with timeline.measure("wait"):
             for bucket in self._buckets:
                 flat, sent, payload_bytes = self._reducer.finish(bucket.pending)
+                comm_end = max(comm_end, bucket.pending.handle.finished_at)
                 self._inflight.sent_bytes += sent
                 self._inflight.payload_bytes += payload_bytes
-                if scale != 1.0:
-                    flat = flat * scale
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    g = p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    if scale != 1.0:
+                        g.mul_(scale)
                     offset += n
                 bucket.pending, bucket.ready = None, 0
+        self._comm_end = comm_end
         self.comm_stats, self._inflight = self._inflight, CommStats()
         self._end_iteration()
 
@@ -381,7 +394,10 @@ class _DistributedMixin:
         self._hooks_fired = False
 
     def _next_profile_iteration(self) -> None:
+        now = time.perf_counter()
         self._iter_start_us = timeline.Timeline.now_us()
+        if self._trials:
+            self._trial_iteration(now)
         prof = self._profiler
         if prof is None:
             return
@@ -390,9 +406,13 @@ class _DistributedMixin:
         if was_recording and prof.complete:
             self._replan()
             self._profiler = None
+        self._last_step_end = time.perf_counter()
 
     def _replan(self) -> None:
-        """Plan the buckets from the profile, identically on every rank (collective)."""
+        """Plan the buckets from the profile, identically on every rank (collective). For
+        "mgwfbp", the model's choice then races the baselines' plans for a few iterations
+        (see :meth:`_trial_iteration`): the model ignores that computing and communicating
+        at once can slow both down, and the race catches it."""
         rt = runtime()
         ready, update_s = rt.engine.submit(lambda comm: self._profiler.agreed(comm)).wait()
         order, trace = observed_trace(ready, update_s,
@@ -401,9 +421,49 @@ class _DistributedMixin:
                                       [self._names[p] for p in self._params])
         cost = cost_for(rt.engine)
         self.schedule_report = planner.compare(trace, cost, self._fusion_threshold)
-        self.plan_prediction = next(p for p in self.schedule_report if p.schedule == self.schedule)
-        self._set_buckets([[self._params[order[i]] for i in bucket]
-                           for bucket in self.plan_prediction.plan.buckets])
+        by_name = {p.schedule: p for p in self.schedule_report}
+        self._order = order
+        if self.schedule == "mgwfbp" and self._trial_steps > 0:
+            seen, trials = set(), []
+            for name in ("mgwfbp", "single", "threshold", "wfbp"):
+                if by_name[name].plan.buckets not in seen:
+                    seen.add(by_name[name].plan.buckets)
+                    trials.append(by_name[name])
+            self._trials = {"candidates": trials, "at": 0, "times": [[] for _ in trials],
+                            "warm": True}
+        self._install(by_name[self.schedule] if not self._trials
+                      else self._trials["candidates"][0])
+
+    def _install(self, prediction: planner.Prediction) -> None:
+        self.plan_prediction = prediction
+        self._set_buckets([[self._params[self._order[i]] for i in bucket]
+                           for bucket in prediction.plan.buckets])
+
+    def _trial_iteration(self, now: float) -> None:
+        """One iteration of the race between candidate plans: each runs one warm-up and
+        ``trial_steps`` timed iterations; then the fastest (slowest rank's best time) wins."""
+        t = self._trials
+        if t["warm"]:
+            t["warm"] = False
+        else:
+            t["times"][t["at"]].append(now - self._last_step_end)
+            if len(t["times"][t["at"]]) >= self._trial_steps:
+                t["at"] += 1
+                t["warm"] = True
+                if t["at"] == len(t["candidates"]):
+                    best = np.array([min(ts) for ts in t["times"]])
+                    runtime().engine.submit(
+                        lambda comm: comm.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)).wait()
+                    self.trial_report = {c.schedule: float(b)
+                                         for c, b in zip(t["candidates"], best)}
+                    winner = t["candidates"][int(np.argmin(best))]
+                    self._install(dataclasses.replace(winner, schedule="mgwfbp")
+                                  if winner.schedule != "mgwfbp" else winner)
+                    self.plan_origin = winner.schedule
+                    self._trials = None
+                else:
+                    self._install(t["candidates"][t["at"]])
+        self._last_step_end = time.perf_counter()
 
     @contextmanager
     def skip_synchronize(self):
@@ -423,11 +483,10 @@ class _DistributedMixin:
                 return self._p3_defer()
             self.synchronize()
         self._synchronized = False
-        t0 = time.perf_counter()
         with timeline.measure("update"):
             loss = super().step(closure)
         if self._profiler is not None:
-            self._profiler.update_took(time.perf_counter() - t0)
+            self._profiler.tail(getattr(self, "_comm_end", 0.0))
         self._next_profile_iteration()
         return loss
 
@@ -495,7 +554,7 @@ def _distributed_class(base: type) -> type:
 
 
 def _schedule_problem(schedule, compression, groups, profile_steps, slice_elems, model,
-                      params) -> Optional[str]:
+                      params, trial_steps) -> Optional[str]:
     if schedule is None:
         return "model= is used by schedule='p3' only" if model is not None else None
     if schedule not in SCHEDULES:
@@ -522,6 +581,8 @@ def _schedule_problem(schedule, compression, groups, profile_steps, slice_elems,
                 f"{compression.scope!r}; create it with scope='bucket'")
     if not isinstance(profile_steps, int) or profile_steps < 1:
         return f"profile_steps must be a positive integer, got {profile_steps!r}"
+    if not isinstance(trial_steps, int) or trial_steps < 0:
+        return f"trial_steps must be an integer >= 0, got {trial_steps!r}"
     return None
 
 
@@ -532,7 +593,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          sparse_as_dense: bool = False, process_set=None, *,
                          fusion_threshold_bytes: Optional[int] = None,
                          schedule: Optional[str] = None, profile_steps: int = 3,
-                         slice_elems: int = 50_000, model: Optional[torch.nn.Module] = None):
+                         slice_elems: int = 50_000, model: Optional[torch.nn.Module] = None,
+                         trial_steps: int = 2):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     Horovod's signature and semantics: gradients are summed locally over
@@ -551,7 +613,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     earliest predicted end of communication), "merge_rule" (MG-WFBP's greedy rule), "wfbp"
     (one tensor per message), "single" (one message after backward), "threshold" (the
     fusion threshold, in observed order). The predictions of all of them are then in
-    ``optimizer.schedule_report``. "p3" sends slices of ``slice_elems`` elements, the
+    ``optimizer.schedule_report``. During profiling everything is sent in one message after
+    backward, so the layer times are measured without communication beside them. "mgwfbp"
+    then races its plan against the single, threshold and WFBP plans for ``trial_steps``
+    timed iterations each (plus one warm-up) and keeps the fastest (``trial_report``,
+    ``plan_origin``; ``trial_steps=0`` trusts the model). "p3" sends slices of ``slice_elems`` elements, the
     parameters closest to the input first; with ``model=`` the update is deferred to each
     module's next forward, which waits only for its own parameters.
     """
@@ -562,7 +628,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if problem is None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         problem = _schedule_problem(schedule, compression, groups, profile_steps, slice_elems,
-                                    model, params)
+                                    model, params, trial_steps)
     if problem is None and sparse_as_dense is not False:
         problem = "sparse_as_dense is not supported: hvcomm reduces dense gradients only"
     if problem is None and process_set is not None:
@@ -575,5 +641,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     opt.__dict__.update(optimizer.__dict__)
     opt._hvcomm_setup(named, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, fusion_threshold_bytes, schedule,
-                      profile_steps, slice_elems, model)
+                      profile_steps, slice_elems, model, trial_steps)
     return opt

@@ -34,8 +34,23 @@ def cost_for(engine: Engine) -> planner.Cost:
     if size not in _COSTS:
         cal = engine.submit(lambda comm: calibrate(comm, (4 << 10, 64 << 10, 1 << 20, 8 << 20),
                                                    repeats=5), "calibrate").wait()
-        _COSTS[size] = planner.Cost(cal.a_s, cal.b_s_per_byte)
+        _COSTS[size] = planner.Cost(max(cal.a_s, _engine_startup_s(engine)), cal.b_s_per_byte)
     return _COSTS[size]
+
+
+def _engine_startup_s(engine: Engine, messages: int = 50) -> float:
+    """The startup of one message the way the optimizer sends it: tiny allreduces submitted
+    back to back to the engine (thread hand-over and Python included), slowest rank's mean.
+    On shared memory this is several times MPI's own latency."""
+    def tiny(comm):
+        comm.Allreduce(MPI.IN_PLACE, np.zeros(16, np.float32), op=MPI.SUM)
+
+    engine.submit(lambda comm: comm.Barrier()).wait()
+    t0 = time.perf_counter()
+    for h in [engine.submit(tiny) for _ in range(messages)]:
+        h.wait()
+    mine = (time.perf_counter() - t0) / messages
+    return engine.submit(lambda comm: comm.allreduce(mine, op=MPI.MAX)).wait()
 
 
 class Profiler:
@@ -50,6 +65,7 @@ class Profiler:
         self.start = time.perf_counter()
         self.ready: List[List[float]] = [[] for _ in range(n)]
         self.update: List[float] = []
+        self.last_ready = 0.0
 
     @property
     def recording(self) -> bool:
@@ -60,12 +76,15 @@ class Profiler:
         return self.iteration >= self.skip + self.steps
 
     def grad_ready(self, i: int) -> None:
+        self.last_ready = time.perf_counter()
         if self.recording:
-            self.ready[i].append(time.perf_counter() - self.start)
+            self.ready[i].append(self.last_ready - self.start)
 
-    def update_took(self, seconds: float) -> None:
+    def tail(self, comm_end: float) -> None:
+        """Now the step has ended: record the time after both backward and communication had
+        finished (unpacking, averaging, the optimizer update)."""
         if self.recording:
-            self.update.append(seconds)
+            self.update.append(time.perf_counter() - max(comm_end, self.last_ready))
 
     def next_iteration(self) -> None:
         self.iteration += 1

@@ -22,10 +22,17 @@ STEPS = 7  # one skipped, three profiled, replanned before step 4
 def check_schedule_matches_serial(schedule, with_model=False, **kw):
     if with_model:
         kw["model"] = "model"  # train_distributed passes its own model
-    model, opt = train_distributed_with(STEPS, schedule=schedule, **kw)
+    steps = 18 if schedule == "mgwfbp" else STEPS  # 4 to plan, up to 4 x 3 to race plans
+    model, opt = train_distributed_with(steps, schedule=schedule, **kw)
     opt.finish_pending()
     assert_same_everywhere(model)
-    assert_close(model, train_serial(STEPS))
+    assert_close(model, train_serial(steps))
+    if schedule == "mgwfbp":
+        assert opt._trials is None and opt.plan_origin in opt.trial_report, opt.trial_report
+        assert "mgwfbp" in opt.trial_report  # and each distinct baseline plan
+        assert all(t > 0 for t in opt.trial_report.values())
+        agreed = hvd.allgather_object((opt.plan_origin, opt.trial_report))
+        assert agreed == [agreed[0]] * hvd.size()
     if schedule in planner.SCHEDULES:
         names = [p.schedule for p in opt.schedule_report]
         assert names == list(planner.SCHEDULES), names
