@@ -67,3 +67,8 @@ def test_compression_in_the_optimizer(n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_schedules_change_timing_not_weights(n):
     mpirun(n, "check_schedule.py", timeout=400)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_delayed_synchronisation(n):
+    mpirun(n, "check_delayed.py", timeout=300)

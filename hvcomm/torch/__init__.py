@@ -1,5 +1,6 @@
 """hvcomm.torch: a drop-in for ``horovod.torch`` (same names), on mpi4py."""
 from .compression import Compression, Compressor
+from .delayed import Delay
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
                   allgather_object, allreduce, allreduce_, allreduce_async, allreduce_async_,
@@ -11,7 +12,7 @@ from .runtime import (cross_rank, cross_size, init, is_initialized, local_rank, 
                       mpi_comm, rank, shutdown, size)
 
 __all__ = [
-    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "Max", "Min",
+    "Adasum", "Average", "Compression", "Compressor", "Delay", "DistributedOptimizer", "Max", "Min",
     "Product", "Sum", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",

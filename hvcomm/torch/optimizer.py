@@ -21,6 +21,7 @@ from hvcomm import planner
 
 from . import timeline
 from .compression import Compression, Compressor, NoneCompressor
+from .delayed import Delay, as_delay, local_update
 from .memory import ErrorFeedback
 from .ops import Average, Sum
 from .p3 import P3Round
@@ -38,6 +39,7 @@ class _Bucket:
     key: str = ""                        # names its residual in the error-feedback memory
     ready: int = 0                       # parameters whose gradient is final this iteration
     pending: Optional[object] = None     # the reducer's InFlight once launched
+    reducer: Optional[Reducer] = None    # the reducer that launched it
 
 
 @dataclass
@@ -110,7 +112,7 @@ class _DistributedMixin:
 
     def _hvcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, fusion_threshold_bytes, schedule,
-                      profile_steps, slice_elems, model, trial_steps):
+                      profile_steps, slice_elems, model, trial_steps, delay):
         rt = runtime()
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -125,7 +127,7 @@ class _DistributedMixin:
         _agree_on_parameters(rt.comm, spec + [("options", backward_passes_per_step, op,
                                                gradient_predivide_factor, repr(compression),
                                                schedule, profile_steps, slice_elems,
-                                               model is not None, trial_steps)])
+                                               model is not None, trial_steps, repr(delay))])
         self._params = params
         self._index = {p: i for i, p in enumerate(params)}
         self.schedule = schedule
@@ -138,6 +140,10 @@ class _DistributedMixin:
             fusion_threshold_bytes = 2**62
         self._set_buckets(self._plan(params, groups, fusion_threshold_bytes))
         self._reducer = Reducer(rt.engine, compression, self._memory)
+        self._dense_reducer = Reducer(rt.engine, Compression.none, self._memory)
+        self._delayed: Optional[Delay] = delay
+        self._W: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None  # global weights
+        self._previous = None   # delayed: last step's gradients (in flight, or averaged by name)
         self._step = 0                     # synchronizations so far (density warm-up, seeds)
         self._delay = {p: backward_passes_per_step for p in params}
         self._next_launch = 0
@@ -259,10 +265,25 @@ class _DistributedMixin:
             flat.div_(self.gradient_predivide_factor)
         return flat
 
+    def _dense_now(self) -> bool:
+        """Delayed modes: warm-up steps, and CD's k-step corrections, go uncompressed."""
+        d = self._delayed
+        if d is None:
+            return False
+        j = self._step - d.warmup_steps
+        return j < 0 or d.is_full_precision(j)
+
     def _launch(self, bucket: _Bucket) -> None:
         with timeline.measure("compress+launch", bucket=bucket.key[:80]):
-            bucket.pending = self._reducer.start(bucket.key, self._flat_grad(bucket.params),
-                                                 self._step)
+            flat = self._flat_grad(bucket.params)
+            reducer = self._reducer
+            if self._dense_now():
+                if reducer.native and reducer.compressor.error_feedback:
+                    self._memory.compensate(bucket.key, flat)  # the correction sends it all
+                    self._memory.residuals.pop(bucket.key, None)
+                reducer = self._dense_reducer
+            bucket.reducer = reducer
+            bucket.pending = reducer.start(bucket.key, flat, self._step)
         self._inflight.messages += 1
 
     # -- P3 ------------------------------------------------------------------------------------
@@ -307,7 +328,7 @@ class _DistributedMixin:
                 self._module_hooks.append(module.register_forward_pre_hook(
                     lambda _m, _inp, owned=owned: self._apply_deferred(owned)))
         self._module_hooks.append(model.register_state_dict_pre_hook(
-            lambda *_a, **_k: self.finish_pending()))
+            lambda *_a, **_k: self._finish_p3()))
 
     def _apply_deferred(self, indices) -> None:
         todo = self._deferred_left & set(indices)
@@ -339,12 +360,107 @@ class _DistributedMixin:
             for g, ps in zip(self.param_groups, saved):
                 g["params"] = ps
 
-    def finish_pending(self) -> None:
-        """Apply any update still deferred by the P3 schedule (done by itself before the next
-        backward, state_dict() and the model's state_dict(); call it before reading weights
-        any other way)."""
+    def _finish_p3(self) -> None:
         if self._deferred is not None:
             self._apply_deferred(set(self._deferred_left))
+
+    def finish_pending(self) -> None:
+        """Apply every update still pending, so the model holds the synchronised weights.
+
+        P3 with ``model=``: the updates deferred to the next forward (applied by themselves
+        before the next backward, ``state_dict()`` and the model's ``state_dict()``).
+        ``delay=``: waits for the last step's allreduce, advances the global weights with it
+        and sets the local weights to them (the next step then starts from W; the same on
+        every rank). Call it before evaluating or saving the model for inference."""
+        self._finish_p3()
+        if self._delayed is not None and self._W is not None:
+            prev = self._collect_previous()
+            if prev is not None:
+                self._global_update(prev)
+            with torch.no_grad():
+                for p, w in self._W.items():
+                    p.copy_(w)
+
+    # -- delayed synchronisation (OD-SGD, SSD-SGD, CD-SGD) -------------------------------------
+    def global_weights(self) -> Dict[str, torch.Tensor]:
+        """Delayed modes: the global weights W by parameter name (identical on every rank)."""
+        if self._delayed is None:
+            raise HvcommError("global_weights() is for delay=... optimizers")
+        if self._W is None:
+            return {self._names[p]: p.detach().clone() for p in self._params}
+        return {self._names[p]: w for p, w in self._W.items()}
+
+    def _collect_previous(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The last step's averaged gradients by parameter name (waiting if in flight)."""
+        prev = self._previous
+        if isinstance(prev, list):
+            scale = self._scale()
+            averaged, stats = {}, CommStats()
+            for params, reducer, job in prev:
+                flat, sent, payload_bytes = reducer.finish(job)
+                stats.messages += 1
+                stats.sent_bytes += sent
+                stats.payload_bytes += payload_bytes
+                offset = 0
+                for p in params:
+                    averaged[self._names[p]] = (flat[offset:offset + p.numel()] * scale).view_as(p)
+                    offset += p.numel()
+            self.comm_stats = stats
+            self._previous = prev = averaged
+        return prev
+
+    def _global_update(self, averaged: Dict[str, torch.Tensor]) -> None:
+        """W <- the wrapped optimizer's step on W with the averaged gradients; then the
+        gradients are consumed (_previous cleared)."""
+        saved = []
+        for p in self._params:
+            saved.append((p.data, p.grad))
+            p.data = self._W[p]
+            p.grad = averaged[self._names[p]].to(p.dtype)
+        try:
+            with timeline.measure("global update"):
+                super().step()
+        finally:
+            for p, (data, grad) in zip(self._params, saved):
+                p.data, p.grad = data, grad
+        self._previous = None
+
+    def _delayed_step(self, closure):
+        d = self._delayed
+        if self._W is None:  # W starts as the weights of the first step (after any broadcast)
+            self._W = {p: p.detach().clone() for p in self._params}
+        if self._step < d.warmup_steps:  # synchronous, dense
+            self.synchronize()
+            self._synchronized = False
+            with timeline.measure("update"):
+                loss = super().step(closure)
+            with torch.no_grad():
+                for p, w in self._W.items():
+                    w.copy_(p)
+            return loss
+        loss = closure() if closure is not None else None
+        current = []
+        for bucket in self._buckets[self._next_launch:]:
+            self._launch(bucket)
+        for b in self._buckets:
+            current.append((b.params, b.reducer, b.pending))
+            b.pending, b.ready, b.reducer = None, 0, None
+        self._inflight = CommStats()
+        j = self._step - d.warmup_steps
+        reset = d.is_reset(j)
+        previous = self._collect_previous()
+        W_before = None
+        if previous is not None:
+            if not reset and d.glu:
+                W_before = {p: w.clone() for p, w in self._W.items()}
+            with timeline.measure("wait+global update"):
+                self._global_update(previous)
+        with timeline.measure("local update"):
+            local_update(d, self.param_groups, self._W, W_before, reset)
+        self._previous = current
+        self._reset_counters()
+        self._step += 1
+        return loss
 
     # -- Horovod's optimizer interface --------------------------------------------------------
     def _scale(self) -> float:
@@ -353,8 +469,11 @@ class _DistributedMixin:
 
     def synchronize(self) -> None:
         """Finish this iteration's gradient averaging (launching what the hooks did not)."""
+        if self._delayed is not None and self._step >= self._delayed.warmup_steps:
+            raise HvcommError("with delay=..., step() averages the gradients (one step late); "
+                              "synchronize() is not available after the warm-up")
         if self.schedule == "p3":
-            self.finish_pending()
+            self._finish_p3()
             r = self._p3_close()
             self._p3_collect(r, range(len(self._params)))
             self.comm_stats = self._p3_stats(r)
@@ -366,7 +485,7 @@ class _DistributedMixin:
         comm_end = 0.0
         with timeline.measure("wait"):
             for bucket in self._buckets:
-                flat, sent, payload_bytes = self._reducer.finish(bucket.pending)
+                flat, sent, payload_bytes = bucket.reducer.finish(bucket.pending)
                 comm_end = max(comm_end, bucket.pending.handle.finished_at)
                 self._inflight.sent_bytes += sent
                 self._inflight.payload_bytes += payload_bytes
@@ -475,6 +594,8 @@ class _DistributedMixin:
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self._delayed is not None:
+            return self._delayed_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -493,7 +614,7 @@ class _DistributedMixin:
     def _p3_defer(self):
         """P3 with a model: hand everything over and return; each module's next forward
         applies its own parameters' update when their slices have arrived."""
-        self.finish_pending()
+        self._finish_p3()
         r = self._p3_close()
         self._deferred, self._deferred_left = r, set(range(len(self._params)))
         self._zeroed_since_step = False
@@ -513,23 +634,37 @@ class _DistributedMixin:
         """The wrapped optimizer's state plus hvcomm's own, under "hvcomm": this rank's
         error-feedback residuals (by parameter name) and the step counter. Residuals differ
         between ranks: save one checkpoint per rank to resume exactly."""
-        self.finish_pending()
+        self._finish_p3()
         state = super().state_dict()
         state["hvcomm"] = {"step": self._step,
                            "residuals_by_param": {k: v.clone() for k, v in
                                                   self._residuals_by_param().items()}}
+        if self._delayed is not None:
+            prev = self._collect_previous()  # waits for, but does not apply, the last step's
+            state["hvcomm"]["delay"] = {
+                "W": None if self._W is None else {self._names[p]: w.clone()
+                                                   for p, w in self._W.items()},
+                "previous": None if prev is None else {k: v.clone() for k, v in prev.items()}}
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore; hvcomm's state is restored when the dict has it, kept otherwise."""
-        self.finish_pending()
+        self._finish_p3()
         state_dict = dict(state_dict)
         ours = state_dict.pop("hvcomm", None)
-        if any(b.pending is not None for b in self._buckets) or self._round is not None:
+        if (any(b.pending is not None for b in self._buckets) or self._round is not None
+                or isinstance(self._previous, list) and ours is None):
             raise HvcommError("load_state_dict() while gradients are in flight; call "
                               "synchronize() or step() first")
         if ours is not None:
             self._step = ours["step"]
+            delay_state = ours.get("delay")
+            if self._delayed is not None and delay_state is not None:
+                by_name = {self._names[p]: p for p in self._params}
+                self._W = (None if delay_state["W"] is None else
+                           {by_name[k]: v.clone() for k, v in delay_state["W"].items()})
+                self._previous = (None if delay_state["previous"] is None else
+                                  {k: v.clone() for k, v in delay_state["previous"].items()})
             if "residuals_by_param" in ours:
                 self._memory.residuals = {}
                 for b in self._buckets:
@@ -594,7 +729,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          fusion_threshold_bytes: Optional[int] = None,
                          schedule: Optional[str] = None, profile_steps: int = 3,
                          slice_elems: int = 50_000, model: Optional[torch.nn.Module] = None,
-                         trial_steps: int = 2):
+                         trial_steps: int = 2, delay=None):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     Horovod's signature and semantics: gradients are summed locally over
@@ -620,6 +755,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     ``plan_origin``; ``trial_steps=0`` trusts the model). "p3" sends slices of ``slice_elems`` elements, the
     parameters closest to the input first; with ``model=`` the update is deferred to each
     module's next forward, which waits only for its own parameters.
+
+    ``delay`` ("od", "ssd", "cd" or a :class:`hvcomm.torch.Delay`) turns on delayed
+    synchronisation (OD-SGD, SSD-SGD with GLU, CD-SGD; see :mod:`hvcomm.torch.delayed`):
+    step() returns before the gradients are averaged, which happens during the next step.
+    ``finish_pending()`` brings the model to the global weights (before evaluating);
+    ``global_weights()`` returns them; everything is in ``state_dict()``.
     """
     rt = runtime()
     named = list(named_parameters) if named_parameters is not None else None
@@ -629,6 +770,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         problem = _schedule_problem(schedule, compression, groups, profile_steps, slice_elems,
                                     model, params, trial_steps)
+    delay_cfg = None
+    if problem is None:
+        try:
+            delay_cfg = as_delay(delay)
+        except HvcommError as e:
+            problem = str(e)
+    if problem is None and delay_cfg is not None:
+        problem = delay_cfg.problem(type(compression) is NoneCompressor)
+        if problem is None and schedule is not None:
+            problem = "delay= and schedule= cannot be combined; leave schedule=None"
+        if problem is None and not isinstance(compression, Compressor):
+            problem = "delay= needs an hvcomm compressor (Compression.*)"
     if problem is None and sparse_as_dense is not False:
         problem = "sparse_as_dense is not supported: hvcomm reduces dense gradients only"
     if problem is None and process_set is not None:
@@ -641,5 +794,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     opt.__dict__.update(optimizer.__dict__)
     opt._hvcomm_setup(named, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, fusion_threshold_bytes, schedule,
-                      profile_steps, slice_elems, model, trial_steps)
+                      profile_steps, slice_elems, model, trial_steps, delay_cfg)
     return opt

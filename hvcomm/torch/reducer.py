@@ -22,6 +22,7 @@ class InFlight:
     payload: Any
     ctx: Any
     key: str
+    like: Any = None  # (numel, dtype) of the bucket, for a residual created late
 
 
 def _collective_job(collective: str, payload: Any, ctx: Any):
@@ -68,14 +69,20 @@ class Reducer:
         if comp.error_feedback:
             self.memory.store(key, comp.residual(acc, payload, ctx))
         return InFlight(self.engine.submit(_collective_job(comp.collective, payload, ctx),
-                                           f"{comp.collective} {key[:80]}"), payload, ctx, key)
+                                           f"{comp.collective} {key[:80]}"), payload, ctx, key,
+                        (flat.numel(), flat.dtype))
 
     def finish(self, job: InFlight):
         """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""
         result, sent = job.handle.wait()
         comp = self.compressor
         if self.native and comp.error_feedback:
-            comp.settle(self.memory.residuals[job.key], job.payload, result)
+            # the residual may have been sent in the meantime (CD-SGD's full-precision step)
+            residual = self.memory.residuals.get(job.key)
+            if residual is None:
+                residual = self.memory.residuals[job.key] = torch.zeros(job.like[0],
+                                                                       dtype=job.like[1])
+            comp.settle(residual, job.payload, result)
         parts = job.payload if isinstance(job.payload, tuple) else (job.payload,)
         payload_bytes = sum(p.nbytes if hasattr(p, "nbytes") else p.numel() * p.element_size()
                             for p in parts)

@@ -1,0 +1,102 @@
+"""Delayed synchronisation on allreduce: OD-SGD, SSD-SGD (with GLU) and CD-SGD.
+
+Every rank keeps the global weights W, advanced identically on every rank by the wrapped
+optimizer from the averaged gradient, and trains on its local weights w (the model's
+parameters). At step t (after ``warmup_steps`` ordinary synchronous steps):
+
+1. the allreduce of g_t (computed on w_t) was started by the hooks during backward and runs
+   on while step t+1 computes;
+2. the averaged gradient of step t-1 (its allreduce overlapped this step's forward and
+   backward) advances W: ``W <- GlobalOpt(W, avg g_{t-1})``;
+3. the local weights move with this rank's own fresh gradient:
+   - a *reset* step (every step for "od" and "cd", every ``k``-th delayed step for "ssd"):
+     ``w <- W - lr_local * (g + wd*W + dc)``, with DC-ASGD's delay compensation
+     ``dc = dc_lambda * g*g*(W - w_t)`` when ``local_optimizer="dcasgd"`` (else 0);
+   - otherwise ("ssd"): ``w <- w - lr_local * (g + wd*w) + glu * (W - W_before)``: GLU adds
+     the global update just applied (W_before: W before step 2), the other workers'
+     contribution that the local weights would otherwise miss until the next reset.
+
+"cd" sends step t's gradient compressed (any hvcomm compressor, with its error feedback),
+except every ``k``-th delayed step, which sends it in full precision together with the
+accumulated residual (and clears it): the k-step correction. Warm-up steps are dense
+synchronous SGD in every mode, so a warm-up covering the whole run is exactly S-SGD.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from collectives.errors import HvcommError
+
+MODES = ("od", "ssd", "cd")
+
+
+@dataclass(frozen=True)
+class Delay:
+    """How to delay synchronisation; pass as ``DistributedOptimizer(..., delay=Delay(...))``
+    or just ``delay="od"`` for the defaults."""
+
+    mode: str
+    warmup_steps: int = 100
+    k: int = 5
+    local_lr: Optional[float] = None     # None: each param group's current lr
+    local_optimizer: str = "sgd"         # or "dcasgd"
+    dc_lambda: float = 0.04
+    glu: float = 1.0                     # SSD only
+
+    def problem(self, compression_is_none: bool) -> Optional[str]:
+        if self.mode not in MODES:
+            return f"delay mode must be one of {MODES}, got {self.mode!r}"
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            return f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
+        if not isinstance(self.k, int) or self.k < 1:
+            return f"k must be a positive integer, got {self.k!r}"
+        if self.local_lr is not None and not self.local_lr > 0:
+            return f"local_lr must be > 0 (or None for the group's lr), got {self.local_lr!r}"
+        if self.local_optimizer not in ("sgd", "dcasgd"):
+            return f"local_optimizer must be 'sgd' or 'dcasgd', got {self.local_optimizer!r}"
+        if self.mode == "cd" and compression_is_none:
+            return ("delay='cd' needs a compressor (e.g. compression=Compression.twobit(0.5)); "
+                    "without one use delay='od'")
+        return None
+
+    def is_reset(self, delayed_index: int) -> bool:
+        return self.mode != "ssd" or delayed_index % self.k == 0
+
+    def is_full_precision(self, delayed_index: int) -> bool:
+        return self.mode == "cd" and (delayed_index + 1) % self.k == 0
+
+
+def as_delay(delay) -> Optional[Delay]:
+    if delay is None or isinstance(delay, Delay):
+        return delay
+    if isinstance(delay, str):
+        return Delay(delay)
+    raise HvcommError(f"delay must be None, 'od', 'ssd', 'cd' or a Delay, got {delay!r}")
+
+
+@torch.no_grad()
+def local_update(cfg: Delay, groups: Sequence[dict], W: Dict[torch.nn.Parameter, torch.Tensor],
+                 W_before: Optional[Dict[torch.nn.Parameter, torch.Tensor]],
+                 reset: bool) -> None:
+    """Move the local weights (the parameters) as the module docstring says."""
+    for group in groups:
+        lr = cfg.local_lr if cfg.local_lr is not None else group["lr"]
+        wd = group.get("weight_decay", 0.0)
+        for p in group["params"]:
+            if p not in W or p.grad is None:
+                continue
+            g = p.grad
+            if reset:
+                w_then = p.detach().clone() if cfg.local_optimizer == "dcasgd" else None
+                p.copy_(W[p])
+                step = g + wd * p if wd else g.clone()
+                if w_then is not None:
+                    step.add_(cfg.dc_lambda * g * g * (p - w_then))
+                p.sub_(lr * step)
+            else:
+                p.sub_(lr * (g + wd * p if wd else g))
+                if cfg.glu and W_before is not None:
+                    p.add_(cfg.glu * (W[p] - W_before[p]))

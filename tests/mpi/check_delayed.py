@@ -1,0 +1,149 @@
+"""Delayed synchronisation (OD-SGD, SSD-SGD, CD-SGD): warm-up equals S-SGD, global weights
+agree on every rank every step, checkpoints resume exactly, the delay is real, bad input."""
+import copy
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  # noqa: E402
+                             expect_everywhere, loss_fn, make_opt, shard, train_serial)
+
+import hvcomm.torch as hvd  # noqa: E402
+
+STEPS = 8
+MODES = {
+    "od": dict(delay=hvd.Delay("od", warmup_steps=2)),
+    "od-dcasgd": dict(delay=hvd.Delay("od", warmup_steps=2, local_optimizer="dcasgd",
+                                      dc_lambda=0.5, local_lr=0.2)),
+    "ssd": dict(delay=hvd.Delay("ssd", warmup_steps=2, k=3, glu=0.5)),
+    "cd-topk": dict(delay=hvd.Delay("cd", warmup_steps=2, k=3),
+                    compression=hvd.Compression.topk(0.2, scope="bucket")),
+    "cd-twobit": dict(delay=hvd.Delay("cd", warmup_steps=2, k=2),
+                      compression=hvd.Compression.twobit(0.01)),
+}
+
+
+def build(**kw):
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   **kw)
+    return model, opt
+
+
+def run(model, opt, steps, start=0, each_step=None):
+    r = hvd.rank()
+    for s in range(start, start + steps):
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        loss_fn(model, shard(x, r), shard(y, r)).backward()
+        opt.step()
+        if each_step:
+            each_step(s)
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def check_warmup_covering_the_run_is_ssgd(name):
+    kw = dict(MODES[name])
+    kw["delay"] = hvd.Delay(kw["delay"].mode, warmup_steps=STEPS + 1)
+    model, opt = build(**kw)
+    run(model, opt, STEPS)
+    assert_close(model, train_serial(STEPS))
+    W = opt.global_weights()
+    for n, p in model.named_parameters():
+        assert torch.equal(W[n], p), n
+
+
+def check_global_weights_agree_every_step(name):
+    model, opt = build(**MODES[name])
+    seen = []
+
+    def agree(step):
+        W = flat(opt.global_weights().values())
+        assert torch.equal(hvd.allreduce(W, op=hvd.Max), hvd.allreduce(W, op=hvd.Min)), step
+        seen.append(W.clone())
+    run(model, opt, STEPS, each_step=agree)
+    assert all(torch.isfinite(w).all() for w in seen)
+    # the global weights move after the warm-up, and the local ones are not them (delayed)
+    assert not torch.equal(seen[-1], seen[-2])
+    local = flat(p.detach() for p in model.parameters())
+    if hvd.size() > 1:
+        assert not torch.equal(local, seen[-1])
+    opt.finish_pending()  # local weights := global weights, the same everywhere
+    assert_same_everywhere(model)
+    assert torch.equal(flat(p.detach() for p in model.parameters()),
+                       flat(opt.global_weights().values()))
+
+
+def check_checkpoint_resumes_exactly(name):
+    full_model, full_opt = build(**MODES[name])
+    run(full_model, full_opt, STEPS)
+    model, opt = build(**MODES[name])
+    run(model, opt, 4)
+    state = copy.deepcopy(opt.state_dict())   # waits for step 3's allreduce, applies nothing
+    weights = copy.deepcopy(model.state_dict())
+    run(model, opt, STEPS - 4, start=4)       # the original goes on after saving
+    assert_close(model, full_model, tol=0)
+    model2, opt2 = build(**MODES[name])
+    model2.load_state_dict(weights)
+    opt2.load_state_dict(state)
+    run(model2, opt2, STEPS - 4, start=4)
+    assert_close(model2, full_model, tol=0)
+    W, W2 = full_opt.global_weights(), opt2.global_weights()
+    for n in W:
+        assert torch.equal(W[n], W2[n]), n
+
+
+def check_od_local_step_formula():
+    """One delayed step by hand: w = W - lr_local * (g + wd W), W one step behind."""
+    model, opt = build(delay=hvd.Delay("od", warmup_steps=1, local_lr=0.3))
+    run(model, opt, 1)                    # warm-up: W = w
+    W0 = {n: w.clone() for n, w in opt.global_weights().items()}
+    r = hvd.rank()
+    x, y = data(1, hvd.size())
+    opt.zero_grad()
+    loss_fn(model, shard(x, r), shard(y, r)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()                            # nothing averaged yet: W unchanged
+    for n, p in model.named_parameters():
+        assert torch.equal(opt.global_weights()[n], W0[n]), n
+        expect = W0[n] - 0.3 * (grads[n] + 1e-3 * W0[n])
+        assert torch.allclose(p, expect, atol=1e-12, rtol=0), n
+
+
+def check_bad_delays():
+    odd = hvd.rank() == hvd.size() - 1
+    expect_everywhere(lambda: build(delay="slow" if odd else "od"), "delay mode must be")
+    expect_everywhere(lambda: build(delay="cd"), "needs a compressor")
+    expect_everywhere(lambda: build(delay=hvd.Delay("ssd", k=0)), "k must be")
+    expect_everywhere(lambda: build(delay="od", schedule="wfbp"), "cannot be combined")
+    expect_everywhere(lambda: build(delay=hvd.Delay("od", local_optimizer="adam")),
+                      "local_optimizer")
+    model, opt = build(delay=hvd.Delay("od", warmup_steps=0))
+    x, y = data(0, hvd.size())
+    loss_fn(model, shard(x, hvd.rank()), shard(y, hvd.rank())).backward()
+    expect_everywhere(opt.synchronize, "synchronize() is not available")
+    opt.step()
+    opt.finish_pending()
+
+
+def main():
+    hvd.init()
+    checks = Checks()
+    for name in MODES:
+        checks.run(f"{name}: warm-up over the whole run is S-SGD",
+                   check_warmup_covering_the_run_is_ssgd, name)
+        checks.run(f"{name}: global weights agree every step", check_global_weights_agree_every_step,
+                   name)
+        checks.run(f"{name}: checkpoint resumes exactly", check_checkpoint_resumes_exactly, name)
+    checks.run("od: the local step by hand", check_od_local_step_formula)
+    checks.run("bad delays raise on every rank", check_bad_delays)
+    checks.finish()
+
+
+if __name__ == "__main__":
+    main()
