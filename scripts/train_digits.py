@@ -6,6 +6,7 @@ Run under MPI (scripts/main_job.py does this for every method):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -31,10 +32,11 @@ def dense_bytes(model) -> float:
     return 2 * (n - 1) / n * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def hvcomm_method(compression=None):
+def hvcomm_method(compression=None, delay=None):
     def build(opt, model):
         return hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                        compression=compression or hvc.Compression.none)
+                                        compression=compression or hvc.Compression.none,
+                                        delay=delay)
     return build, lambda opt, model: opt.comm_stats.sent_bytes
 
 
@@ -58,6 +60,12 @@ METHODS = {
     "gtopk-0.001-warmup": hvcomm_method(C.gtopk(0.001, scope="model", warmup_steps=200)),
     "randomk-0.01": hvcomm_method(C.randomk(0.01, scope="model")),
     "twobit-0.5": hvcomm_method(C.twobit(0.5)),
+    # delayed synchronisation: 100 synchronous warm-up steps (about 2 epochs at P=4), local
+    # learning rate 4x the global one (as SSD-SGD's runs), k = 5 as the originals
+    "od-sgd": hvcomm_method(delay=hvc.Delay("od", warmup_steps=100, local_lr=0.2)),
+    "ssd-sgd": hvcomm_method(delay=hvc.Delay("ssd", warmup_steps=100, local_lr=0.2, k=5)),
+    "cd-sgd": hvcomm_method(C.twobit(0.5), delay=hvc.Delay("cd", warmup_steps=100,
+                                                           local_lr=0.2, k=5)),
 }
 
 
@@ -112,9 +120,13 @@ def main() -> None:
             sent.append(bytes_of(opt, model))
         train_time += MPI.COMM_WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         samples += steps * args.batch * size
-        model.eval()
+        evaluated = model
+        if getattr(opt, "delay", None) is not None:  # delayed: test the global weights
+            evaluated = copy.deepcopy(model)
+            evaluated.load_state_dict(opt.global_weights(), strict=False)
+        evaluated.eval()
         with torch.no_grad():
-            acc = (model(xte).argmax(1) == yte).float().mean().item()
+            acc = (evaluated(xte).argmax(1) == yte).float().mean().item()
         loss_avg = MPI.COMM_WORLD.allreduce(total_loss / steps) / size
         history.append({"epoch": epoch + 1, "train_loss": loss_avg, "test_acc": acc})
         if rank == 0:

@@ -17,8 +17,10 @@ parameters). At step t (after ``warmup_steps`` ordinary synchronous steps):
      contribution that the local weights would otherwise miss until the next reset.
 
 "cd" sends step t's gradient compressed (any hvcomm compressor, with its error feedback),
-except every ``k``-th delayed step, which sends it in full precision together with the
-accumulated residual (and clears it): the k-step correction. Warm-up steps are dense
+except every ``k``-th delayed step, which sends that step's gradient in full precision: the
+k-step correction (the residual stays, to be delivered by the compressed steps; sending it
+with the correction as well delivered it in bursts that hurt: 0.70 against 0.96 test
+accuracy after 8 epochs of the digits job with 2-bit threshold 0.5). Warm-up steps are dense
 synchronous SGD in every mode, so a warm-up covering the whole run is exactly S-SGD.
 """
 from __future__ import annotations

@@ -142,6 +142,7 @@ class _DistributedMixin:
         self._reducer = Reducer(rt.engine, compression, self._memory)
         self._dense_reducer = Reducer(rt.engine, Compression.none, self._memory)
         self._delayed: Optional[Delay] = delay
+        self.delay = delay
         self._W: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None  # global weights
         self._previous = None   # delayed: last step's gradients (in flight, or averaged by name)
         self._step = 0                     # synchronizations so far (density warm-up, seeds)
@@ -278,9 +279,6 @@ class _DistributedMixin:
             flat = self._flat_grad(bucket.params)
             reducer = self._reducer
             if self._dense_now():
-                if reducer.native and reducer.compressor.error_feedback:
-                    self._memory.compensate(bucket.key, flat)  # the correction sends it all
-                    self._memory.residuals.pop(bucket.key, None)
                 reducer = self._dense_reducer
             bucket.reducer = reducer
             bucket.pending = reducer.start(bucket.key, flat, self._step)

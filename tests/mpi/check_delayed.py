@@ -115,6 +115,18 @@ def check_od_local_step_formula():
         assert torch.allclose(p, expect, atol=1e-12, rtol=0), n
 
 
+def check_cd_correction_is_full_precision():
+    """CD with k=3 after 2 warm-up steps: delayed steps j = 2, 5 (steps 4, 7) go dense; a
+    step's bytes show in comm_stats one step later."""
+    model, opt = build(**MODES["cd-topk"])
+    dense = sum(p.numel() * 8 for p in model.parameters())
+    payload = {}
+    run(model, opt, STEPS, each_step=lambda s: payload.__setitem__(s - 1, opt.comm_stats.payload_bytes))
+    assert payload[4] == dense, payload
+    for s in (2, 3, 5, 6):
+        assert payload[s] < dense / 2, (s, payload)
+
+
 def check_bad_delays():
     odd = hvd.rank() == hvd.size() - 1
     expect_everywhere(lambda: build(delay="slow" if odd else "od"), "delay mode must be")
@@ -141,6 +153,7 @@ def main():
                    name)
         checks.run(f"{name}: checkpoint resumes exactly", check_checkpoint_resumes_exactly, name)
     checks.run("od: the local step by hand", check_od_local_step_formula)
+    checks.run("cd: every k-th step in full precision", check_cd_correction_is_full_precision)
     checks.run("bad delays raise on every rank", check_bad_delays)
     checks.finish()
 
