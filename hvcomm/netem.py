@@ -220,6 +220,11 @@ class EmulatedCluster:
         if self.mpi_allreduce == "ring":
             mca += ["--mca", "coll_tuned_use_dynamic_rules", "1",
                     "--mca", "coll_tuned_allreduce_algorithm", "4"]
+        # Open MPI forwards only OMPI_* variables to the other hosts' daemons: add hvcomm's and
+        # the thread limits (without OMP_NUM_THREADS=1 torch's OpenMP threads spin on every core)
+        env = launch.mpi_env()
+        mca += [a for k in sorted(env) if k.startswith("HVCOMM_") or k in _FORWARD
+                for a in ("-x", k)]
         cmd = launch.mpirun_cmd(self.hosts * ranks_per_host, argv, mca)
         return ["ip", "netns", "exec", self.namespace(0), "unshare", "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', self.addresses[0], *cmd]
@@ -232,6 +237,9 @@ class EmulatedCluster:
         env = launch.mpi_env({**(env or {}), "TMPDIR": str(first)})
         return subprocess.run(self.mpirun_cmd(argv, ranks_per_host), env=env, timeout=timeout,
                               capture_output=capture, text=True)
+
+
+_FORWARD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH")
 
 
 def add_net_option(parser) -> None:

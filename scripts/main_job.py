@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("-n", "--ranks", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--methods", nargs="*", help="default: all available")
+    ap.add_argument("--batch", type=int, default=8, help="per rank")
+    ap.add_argument("--delay-warmup", type=int, default=100,
+                    help="synchronous warm-up steps of od-sgd, ssd-sgd, cd-sgd")
     ap.add_argument("--name", default="main_job", help="results/<name>.md")
     netem.add_net_option(ap)
     args = ap.parse_args()
@@ -58,7 +61,9 @@ def main() -> None:
     for m in methods:
         print(f"== {m}: {args.ranks} ranks, {label}", flush=True)
         results.append(launch.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
-                                                      str(args.epochs)], timeout=1800,
+                                                      str(args.epochs), "--batch",
+                                                      str(args.batch), "--delay-warmup",
+                                                      str(args.delay_warmup)], timeout=1800,
                                          out=tmp / f"{m}.json", net=net, capture=False))
     rows = [{"method": r["method"], "throughput (samples/s)": f"{r['throughput']:.0f}",
              "bytes/iter/rank": f"{r['bytes_per_iter_per_rank']:,.0f}",
@@ -78,7 +83,11 @@ def main() -> None:
         batch_per_rank=first["batch_per_rank"], epochs=args.epochs, network=label,
         note="bytes: hvcomm counts what each rank sends (ring model for MPI's allreduce); "
              "Horovod's are the ring model 2(P-1)/P*bytes. Sparse methods use error feedback; "
-             "'model' scope selects over the whole model, 'layerwise' per tensor"),
+             "'model' scope selects over the whole model, 'layerwise' per tensor",
+        delayed=f"od/ssd/cd-sgd: {args.delay_warmup} synchronous warm-up steps, local lr 0.2 "
+                "(4x), k=5 (ssd: local weights reset to the global ones every 5 steps, GLU 1.0; "
+                "cd: 2-bit threshold 0.5, every 5th step in full precision); test accuracy "
+                "of the global weights"),
         text + "\n\n## Test accuracy per epoch\n\n" + report.table(per_epoch)
         + f"\n\n![accuracy]({png.name})")
     print(f"written to {path.relative_to(report.ROOT)} and {png.relative_to(report.ROOT)}")

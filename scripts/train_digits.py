@@ -32,11 +32,15 @@ def dense_bytes(model) -> float:
     return 2 * (n - 1) / n * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+DELAY_WARMUP = {"steps": 100}  # --delay-warmup
+
+
 def hvcomm_method(compression=None, delay=None):
     def build(opt, model):
+        d = None if delay is None else hvc.Delay(**{**delay, "warmup_steps": DELAY_WARMUP["steps"]})
         return hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                         compression=compression or hvc.Compression.none,
-                                        delay=delay)
+                                        delay=d)
     return build, lambda opt, model: opt.comm_stats.sent_bytes
 
 
@@ -60,12 +64,11 @@ METHODS = {
     "gtopk-0.001-warmup": hvcomm_method(C.gtopk(0.001, scope="model", warmup_steps=200)),
     "randomk-0.01": hvcomm_method(C.randomk(0.01, scope="model")),
     "twobit-0.5": hvcomm_method(C.twobit(0.5)),
-    # delayed synchronisation: 100 synchronous warm-up steps (about 2 epochs at P=4), local
-    # learning rate 4x the global one (as SSD-SGD's runs), k = 5 as the originals
-    "od-sgd": hvcomm_method(delay=hvc.Delay("od", warmup_steps=100, local_lr=0.2)),
-    "ssd-sgd": hvcomm_method(delay=hvc.Delay("ssd", warmup_steps=100, local_lr=0.2, k=5)),
-    "cd-sgd": hvcomm_method(C.twobit(0.5), delay=hvc.Delay("cd", warmup_steps=100,
-                                                           local_lr=0.2, k=5)),
+    # delayed synchronisation: --delay-warmup synchronous steps first, local learning rate
+    # 4x the global one (as SSD-SGD's runs), k = 5 as the originals
+    "od-sgd": hvcomm_method(delay=dict(mode="od", local_lr=0.2)),
+    "ssd-sgd": hvcomm_method(delay=dict(mode="ssd", local_lr=0.2, k=5)),
+    "cd-sgd": hvcomm_method(C.twobit(0.5), delay=dict(mode="cd", local_lr=0.2, k=5)),
 }
 
 
@@ -92,8 +95,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="per rank")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--delay-warmup", type=int, default=100,
+                    help="synchronous steps before od/ssd/cd-sgd start delaying")
     ap.add_argument("--out", help="write the results of rank 0 as JSON here")
     args = ap.parse_args()
+    DELAY_WARMUP["steps"] = args.delay_warmup
 
     hvc.init()
     rank, size = hvc.rank(), hvc.size()
@@ -135,6 +141,7 @@ def main() -> None:
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"method": args.method, "ranks": size, "epochs": args.epochs,
+                       "delay_warmup_steps": args.delay_warmup, "lr": args.lr,
                        "batch_per_rank": args.batch, "history": history,
                        "throughput": samples / train_time, "train_time_s": train_time,
                        "bytes_per_iter_per_rank": float(np.mean(sent)),
