@@ -44,6 +44,7 @@ class Engine:
 
     def __init__(self, comm):
         self.comm = comm
+        self.open_streams = 0  # running jobs that wait for the main thread (a P3 round)
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="hvcomm-engine", daemon=True)
         self._thread.start()
@@ -62,6 +63,14 @@ class Engine:
                         handle._finish(job(self.comm))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 handle._finish(error=e)
+
+    def check_can_wait(self, what: str) -> None:
+        """Refuse to block the main thread on a job queued behind one that waits for it."""
+        if self.open_streams:
+            from collectives.errors import HvcommError
+            raise HvcommError(f"{what}: a DistributedOptimizer(schedule='p3') round is open "
+                              "(after backward, before step()); this collective would wait for "
+                              "it forever. Call it after optimizer.step()")
 
     def submit(self, job: Callable[[Any], Any], name: Optional[str] = None) -> Handle:
         """Queue ``job``; ``name`` labels its span on the timeline, when one is active."""

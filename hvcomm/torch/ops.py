@@ -68,6 +68,8 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int) -> Any:
     """Wait for ``handle`` and return its output tensor."""
     job, finish = _lookup(handle)
+    if not job.done():
+        runtime().engine.check_can_wait("synchronize")
     del _handles[handle]
     return finish(job.wait())
 
@@ -211,7 +213,9 @@ def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
 
 
 def _object_job(fn: Callable[[MPI.Comm], Any]) -> Any:
-    return runtime().engine.submit(fn).wait()
+    engine = runtime().engine
+    engine.check_can_wait("object collective")
+    return engine.submit(fn).wait()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_set=None) -> Any:

@@ -290,7 +290,9 @@ class _DistributedMixin:
             self._round = P3Round([q.numel() for q in self._params],
                                   [q.dtype for q in self._params],
                                   [self._names[q] for q in self._params], self._slice_elems)
-            self._round_handle = runtime().engine.submit(self._round.job)
+            engine = runtime().engine
+            engine.open_streams += 1
+            self._round_handle = engine.submit(self._round.job)
         self._round.ready(self._index[p], self._flat_grad([p]))
 
     def _p3_close(self) -> P3Round:
@@ -302,6 +304,7 @@ class _DistributedMixin:
         for i, p in enumerate(self._params):
             if not r.is_ready(i):
                 r.ready(i, self._flat_grad([p]))
+        runtime().engine.open_streams -= 1
         return r
 
     def _p3_collect(self, r: P3Round, indices) -> None:

@@ -171,6 +171,21 @@ def check_p3_priority_overtakes():
     assert rnd.messages == 4 + 3 + 400
 
 
+def check_p3_refuses_a_collective_that_would_hang():
+    """Between backward and step() a P3 round is open: a blocking collective would wait
+    behind it forever (unused parameters are handed over only by step()); it raises."""
+    model = Tied()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), schedule="p3")
+    x, y = data(0, hvd.size())
+    torch.nn.functional.cross_entropy(model(shard(x, hvd.rank()), False),
+                                      shard(y, hvd.rank())).backward()
+    expect_everywhere(lambda: hvd.allreduce(torch.ones(1)), "round is open")
+    expect_everywhere(lambda: hvd.broadcast_object(1), "round is open")
+    opt.step()
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()
+
+
 def check_bad_schedules():
     odd = hvd.rank() == hvd.size() - 1
 
@@ -205,6 +220,7 @@ def main():
     checks.run("timeline", check_timeline)
     checks.run("p3: priority slices overtake", check_p3_priority_overtakes)
     checks.run("bad schedules raise on every rank", check_bad_schedules)
+    checks.run("p3: a collective that would hang raises", check_p3_refuses_a_collective_that_would_hang)
     checks.finish()
 
 
