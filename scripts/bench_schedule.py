@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--nets", nargs="*", default=["1gbit", "10gbit"])
     ap.add_argument("-n", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=18)
+    ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
@@ -165,7 +165,7 @@ def main() -> None:
                      network="; ".join(labels),
                      timing=f"mean of {args.iters} iterations, median of {args.repeats} "
                      f"repeats, slowest rank, after {args.warmup} warm-up iterations (1 skipped + 3 "
-                     "profiled, then mgwfbp races up to 4 plans for 3 iterations each)",
+                     "profiled, then mgwfbp races up to 4 plans for 1 + 5 iterations each)",
                      planner="cost fit T(M)=a+bM by hvcomm.calibrate on the job's "
                      "communicator; ready times from the gradient hooks, slowest rank",
                      threshold="25 MiB (the fusion default)",

@@ -539,7 +539,7 @@ class _DistributedMixin:
                                       [p.numel() * p.element_size() for p in self._params],
                                       [str(p.dtype) for p in self._params],
                                       [self._names[p] for p in self._params])
-        cost = cost_for(rt.engine)
+        cost = cost_for(rt.engine, sum(p.numel() * p.element_size() for p in self._params))
         self.schedule_report = planner.compare(trace, cost, self._fusion_threshold)
         by_name = {p.schedule: p for p in self.schedule_report}
         self._order = order
@@ -730,7 +730,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          fusion_threshold_bytes: Optional[int] = None,
                          schedule: Optional[str] = None, profile_steps: int = 3,
                          slice_elems: int = 50_000, model: Optional[torch.nn.Module] = None,
-                         trial_steps: int = 2, delay=None):
+                         trial_steps: int = 5, delay=None):
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     Horovod's signature and semantics: gradients are summed locally over

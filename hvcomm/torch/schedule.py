@@ -16,13 +16,15 @@ from hvcomm import planner
 from .engine import Engine
 
 SCHEDULES = planner.SCHEDULES + ("p3",)
-_COSTS: Dict[int, planner.Cost] = {}
+_COSTS: Dict[int, "tuple[int, planner.Cost]"] = {}  # size -> (largest bytes measured, fit)
 
 
-def cost_for(engine: Engine) -> planner.Cost:
+def cost_for(engine: Engine, largest_bytes: int = 8 << 20) -> planner.Cost:
     """The allreduce cost fit T(M) = a + b*M of the engine's communicator, measured once per
-    communicator size in this process (env HVCOMM_COST="a_s,b_s_per_byte" sets it instead).
-    Collective: every rank must call it."""
+    communicator size in this process (again if a model brings a larger message than
+    measured), on sizes from 4 KiB up to ``largest_bytes`` (at most 64 MiB): the slope of
+    large messages differs from that of small ones. HVCOMM_COST="a_s,b_s_per_byte" sets it
+    instead. Collective: every rank must call it with the same ``largest_bytes``."""
     env = os.environ.get("HVCOMM_COST")
     if env:
         try:
@@ -31,11 +33,13 @@ def cost_for(engine: Engine) -> planner.Cost:
             raise HvcommError(f"HVCOMM_COST must be 'a_s,b_s_per_byte', got {env!r}") from None
         return planner.Cost(a, b)
     size = engine.comm.Get_size()
-    if size not in _COSTS:
-        cal = engine.submit(lambda comm: calibrate(comm, (4 << 10, 64 << 10, 1 << 20, 8 << 20),
-                                                   repeats=5), "calibrate").wait()
-        _COSTS[size] = planner.Cost(max(cal.a_s, _engine_startup_s(engine)), cal.b_s_per_byte)
-    return _COSTS[size]
+    largest = int(min(max(largest_bytes, 1 << 20), 64 << 20))
+    if size not in _COSTS or _COSTS[size][0] < largest:
+        sizes = sorted({4 << 10, 64 << 10, 1 << 20, min(8 << 20, largest), largest})
+        cal = engine.submit(lambda comm: calibrate(comm, sizes, repeats=3), "calibrate").wait()
+        _COSTS[size] = (largest, planner.Cost(max(cal.a_s, _engine_startup_s(engine)),
+                                              cal.b_s_per_byte))
+    return _COSTS[size][1]
 
 
 def _engine_startup_s(engine: Engine, messages: int = 50) -> float:
@@ -93,8 +97,8 @@ class Profiler:
     def agreed(self, comm: MPI.Comm) -> "tuple[np.ndarray, float]":
         """Per-parameter ready time (NaN: never had a gradient) and update time, the slowest
         rank's, identical on every rank. Collective."""
-        local = np.array([np.mean(t) if t else np.nan for t in self.ready])
-        update = float(np.mean(self.update)) if self.update else 0.0
+        local = np.array([np.median(t) if t else np.nan for t in self.ready])
+        update = float(np.median(self.update)) if self.update else 0.0
         everyone = comm.allgather((local, update))
         stacked = np.vstack([r for r, _ in everyone])
         ready = np.max(np.where(np.isnan(stacked), -np.inf, stacked), axis=0)

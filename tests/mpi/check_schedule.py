@@ -22,7 +22,7 @@ STEPS = 7  # one skipped, three profiled, replanned before step 4
 def check_schedule_matches_serial(schedule, with_model=False, **kw):
     if with_model:
         kw["model"] = "model"  # train_distributed passes its own model
-    steps = 18 if schedule == "mgwfbp" else STEPS  # 4 to plan, up to 4 x 3 to race plans
+    steps = 28 if schedule == "mgwfbp" else STEPS  # 4 to plan, up to 4 x 6 to race plans
     model, opt = train_distributed_with(steps, schedule=schedule, **kw)
     opt.finish_pending()
     assert_same_everywhere(model)
