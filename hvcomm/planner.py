@@ -199,8 +199,9 @@ def plan_optimal(trace: Trace, cost: Cost) -> Prediction:
             last_ready = max(last_ready, ready[i])
             end = max(best[i][0], last_ready) + cost(nbytes)
             cand = (end, best[i][1] + 1)
-            if cand[0] < best[j][0] - 1e-12 or (abs(cand[0] - best[j][0]) <= 1e-12
-                                                and cand[1] < best[j][1]):
+            tie = 1e-12 * end  # relative: one startup of a few picoseconds is not a tie
+            if cand[0] < best[j][0] - tie or (abs(cand[0] - best[j][0]) <= tie
+                                              and cand[1] < best[j][1]):
                 best[j], cut[j] = cand, i
     groups, j = [], n
     while j > 0:
