@@ -6,6 +6,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from collectives.errors import HvcommError
+
 from . import timeline
 
 
@@ -67,7 +69,6 @@ class Engine:
     def check_can_wait(self, what: str) -> None:
         """Refuse to block the main thread on a job queued behind one that waits for it."""
         if self.open_streams:
-            from collectives.errors import HvcommError
             raise HvcommError(f"{what}: a DistributedOptimizer(schedule='p3') round is open "
                               "(after backward, before step()); this collective would wait for "
                               "it forever. Call it after optimizer.step()")

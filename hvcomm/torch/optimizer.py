@@ -136,17 +136,17 @@ class _DistributedMixin:
         if scope != "bucket" and groups is None:
             fusion_threshold_bytes = 0 if scope == "layer" else 2**62
         self._memory = ErrorFeedback()
+        self._buckets: List[_Bucket] = []
         if schedule in planner.SCHEDULES:  # profile with everything sent after backward
             fusion_threshold_bytes = 2**62
         self._set_buckets(self._plan(params, groups, fusion_threshold_bytes))
         self._reducer = Reducer(rt.engine, compression, self._memory)
         self._dense_reducer = Reducer(rt.engine, Compression.none, self._memory)
-        self._delayed: Optional[Delay] = delay
-        self.delay = delay
+        self.delay: Optional[Delay] = delay  # delayed synchronisation, or None
         self._W: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None  # global weights
         self._previous = None   # delayed: last step's gradients (in flight, or averaged by name)
         self._step = 0                     # synchronizations so far (density warm-up, seeds)
-        self._delay = {p: backward_passes_per_step for p in params}
+        self._passes_left = {p: backward_passes_per_step for p in params}
         self._next_launch = 0
         self._hooks_fired = False
         self._synchronized = False
@@ -169,6 +169,8 @@ class _DistributedMixin:
         self._deferred: Optional[P3Round] = None   # P3: last iteration's, applied layer by layer
         self._deferred_left: set = set()
         self._zeroed_since_step = False
+        self._module_hooks: list = []              # P3 with model=: the forward pre-hooks
+        self._comm_end = 0.0                       # when the last collective ended (profiling)
         self._iter_start_us = timeline.Timeline.now_us()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if model is not None:
@@ -204,16 +206,20 @@ class _DistributedMixin:
             self._pack_residual(b, per_param)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
 
+    @staticmethod
+    def _split(flat: torch.Tensor, params):
+        """(parameter, its part of ``flat`` shaped like it) for a bucket's flat buffer."""
+        offset = 0
+        for p in params:
+            yield p, flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
     def _residuals_by_param(self) -> Dict[str, torch.Tensor]:
         out = {}
-        for b in getattr(self, "_buckets", []):
+        for b in self._buckets:
             res = self._memory.residuals.get(b.key)
-            if res is None:
-                continue
-            offset = 0
-            for p in b.params:
-                out[self._names[p]] = res[offset:offset + p.numel()]
-                offset += p.numel()
+            if res is not None:
+                out.update((self._names[p], r) for p, r in self._split(res, b.params))
         return out
 
     def _pack_residual(self, bucket: _Bucket, per_param: Dict[str, torch.Tensor]) -> None:
@@ -229,7 +235,7 @@ class _DistributedMixin:
         if p.grad is not None and p.grad.is_sparse:
             raise HvcommError(f"parameter {self._names[p]!r} has sparse gradients, which hvcomm "
                               "does not reduce; use a dense layer (e.g. Embedding(sparse=False))")
-        if self._delay[p] <= 0:
+        if self._passes_left[p] <= 0:
             raise HvcommError("Gradients were computed more than backward_passes_per_step times "
                               "before step(); increase backward_passes_per_step to accumulate "
                               "gradients locally")
@@ -239,8 +245,8 @@ class _DistributedMixin:
             timeline.active().span("forward+backward (to first gradient)", self._iter_start_us,
                                    timeline.Timeline.now_us())
         self._hooks_fired = True
-        self._delay[p] -= 1
-        if self._delay[p] == 0:
+        self._passes_left[p] -= 1
+        if self._passes_left[p] == 0:
             if self._profiler is not None:
                 self._profiler.grad_ready(self._index[p])
             if self.schedule == "p3":
@@ -268,11 +274,17 @@ class _DistributedMixin:
 
     def _dense_now(self) -> bool:
         """Delayed modes: warm-up steps, and CD's k-step corrections, go uncompressed."""
-        d = self._delayed
+        d = self.delay
         if d is None:
             return False
         j = self._step - d.warmup_steps
         return j < 0 or d.is_full_precision(j)
+
+    def _launch_rest(self) -> None:
+        """Launch, in order, the buckets the hooks did not (unused parameters: zeros)."""
+        for bucket in self._buckets[self._next_launch:]:
+            self._launch(bucket)
+        self._next_launch = len(self._buckets)
 
     def _launch(self, bucket: _Bucket) -> None:
         with timeline.measure("compress+launch", bucket=bucket.key[:80]):
@@ -288,7 +300,6 @@ class _DistributedMixin:
     def _p3_ready(self, p: torch.nn.Parameter) -> None:
         if self._round is None:
             self._round = P3Round([q.numel() for q in self._params],
-                                  [q.dtype for q in self._params],
                                   [self._names[q] for q in self._params], self._slice_elems)
             engine = runtime().engine
             engine.open_streams += 1
@@ -322,7 +333,6 @@ class _DistributedMixin:
     def _attach_model(self, model: torch.nn.Module) -> None:
         """P3's overlap with the next forward: each module's forward first applies the
         deferred update of the parameters it owns, waiting only for their slices."""
-        self._module_hooks = []
         for module in model.modules():
             owned = {self._index[p] for p in module.parameters(recurse=False) if p in self._index}
             if owned:
@@ -374,7 +384,7 @@ class _DistributedMixin:
         and sets the local weights to them (the next step then starts from W; the same on
         every rank). Call it before evaluating or saving the model for inference."""
         self._finish_p3()
-        if self._delayed is not None and self._W is not None:
+        if self.delay is not None and self._W is not None:
             prev = self._collect_previous()
             if prev is not None:
                 self._global_update(prev)
@@ -385,7 +395,7 @@ class _DistributedMixin:
     # -- delayed synchronisation (OD-SGD, SSD-SGD, CD-SGD) -------------------------------------
     def global_weights(self) -> Dict[str, torch.Tensor]:
         """Delayed modes: the global weights W by parameter name (identical on every rank)."""
-        if self._delayed is None:
+        if self.delay is None:
             raise HvcommError("global_weights() is for delay=... optimizers")
         if self._W is None:
             return {self._names[p]: p.detach().clone() for p in self._params}
@@ -402,10 +412,7 @@ class _DistributedMixin:
                 stats.messages += 1
                 stats.sent_bytes += sent
                 stats.payload_bytes += payload_bytes
-                offset = 0
-                for p in params:
-                    averaged[self._names[p]] = (flat[offset:offset + p.numel()] * scale).view_as(p)
-                    offset += p.numel()
+                averaged.update((self._names[p], g * scale) for p, g in self._split(flat, params))
             self.comm_stats = stats
             self._previous = prev = averaged
         return prev
@@ -427,7 +434,7 @@ class _DistributedMixin:
         self._previous = None
 
     def _delayed_step(self, closure):
-        d = self._delayed
+        d = self.delay
         if self._W is None:  # W starts as the weights of the first step (after any broadcast)
             self._W = {p: p.detach().clone() for p in self._params}
         if self._step < d.warmup_steps:  # synchronous, dense
@@ -441,8 +448,7 @@ class _DistributedMixin:
             return loss
         loss = closure() if closure is not None else None
         current = []
-        for bucket in self._buckets[self._next_launch:]:
-            self._launch(bucket)
+        self._launch_rest()
         for b in self._buckets:
             current.append((b.params, b.reducer, b.pending))
             b.pending, b.ready, b.reducer = None, 0, None
@@ -470,7 +476,7 @@ class _DistributedMixin:
 
     def synchronize(self) -> None:
         """Finish this iteration's gradient averaging (launching what the hooks did not)."""
-        if self._delayed is not None and self._step >= self._delayed.warmup_steps:
+        if self.delay is not None and self._step >= self.delay.warmup_steps:
             raise HvcommError("with delay=..., step() averages the gradients (one step late); "
                               "synchronize() is not available after the warm-up")
         if self.schedule == "p3":
@@ -480,8 +486,7 @@ class _DistributedMixin:
             self.comm_stats = self._p3_stats(r)
             self._end_iteration()
             return
-        for bucket in self._buckets[self._next_launch:]:
-            self._launch(bucket)
+        self._launch_rest()
         scale = self._scale()
         comm_end = 0.0
         with timeline.measure("wait"):
@@ -490,13 +495,10 @@ class _DistributedMixin:
                 comm_end = max(comm_end, bucket.pending.handle.finished_at)
                 self._inflight.sent_bytes += sent
                 self._inflight.payload_bytes += payload_bytes
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
-                    g = p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                for p, g in self._split(flat, bucket.params):
+                    p.grad.copy_(g)
                     if scale != 1.0:
-                        g.mul_(scale)
-                    offset += n
+                        p.grad.mul_(scale)
                 bucket.pending, bucket.ready = None, 0
         self._comm_end = comm_end
         self.comm_stats, self._inflight = self._inflight, CommStats()
@@ -508,24 +510,23 @@ class _DistributedMixin:
         self._synchronized = True
 
     def _reset_counters(self) -> None:
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        for p in self._passes_left:
+            self._passes_left[p] = self.backward_passes_per_step
         self._next_launch = 0
         self._hooks_fired = False
 
     def _next_profile_iteration(self) -> None:
-        now = time.perf_counter()
-        self._iter_start_us = timeline.Timeline.now_us()
         if self._trials:
-            self._trial_iteration(now)
+            self._trial_iteration(time.perf_counter() - self._last_step_end)
         prof = self._profiler
-        if prof is None:
-            return
-        was_recording = prof.recording
-        prof.next_iteration()
-        if was_recording and prof.complete:
-            self._replan()
-            self._profiler = None
+        if prof is not None:
+            was_recording = prof.recording
+            prof.next_iteration()
+            if was_recording and prof.complete:
+                self._replan()
+                self._profiler = None
+        # the next iteration starts now (after any planning, which is not its time)
+        self._iter_start_us = timeline.Timeline.now_us()
         self._last_step_end = time.perf_counter()
 
     def _replan(self) -> None:
@@ -559,14 +560,14 @@ class _DistributedMixin:
         self._set_buckets([[self._params[self._order[i]] for i in bucket]
                            for bucket in prediction.plan.buckets])
 
-    def _trial_iteration(self, now: float) -> None:
+    def _trial_iteration(self, seconds: float) -> None:
         """One iteration of the race between candidate plans: each runs one warm-up and
         ``trial_steps`` timed iterations; then the fastest (slowest rank's best time) wins."""
         t = self._trials
         if t["warm"]:
             t["warm"] = False
         else:
-            t["times"][t["at"]].append(now - self._last_step_end)
+            t["times"][t["at"]].append(seconds)
             if len(t["times"][t["at"]]) >= self._trial_steps:
                 t["at"] += 1
                 t["warm"] = True
@@ -583,7 +584,6 @@ class _DistributedMixin:
                     self._trials = None
                 else:
                     self._install(t["candidates"][t["at"]])
-        self._last_step_end = time.perf_counter()
 
     @contextmanager
     def skip_synchronize(self):
@@ -595,20 +595,20 @@ class _DistributedMixin:
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._delayed is not None:
+        if self.delay is not None:
             return self._delayed_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "after optimizer.synchronize(); gradients are averaged twice")
-            if self.schedule == "p3" and getattr(self, "_module_hooks", None) and closure is None:
+            if self.schedule == "p3" and self._module_hooks and closure is None:
                 return self._p3_defer()
             self.synchronize()
         self._synchronized = False
         with timeline.measure("update"):
             loss = super().step(closure)
         if self._profiler is not None:
-            self._profiler.tail(getattr(self, "_comm_end", 0.0))
+            self._profiler.tail(self._comm_end)
         self._next_profile_iteration()
         return loss
 
@@ -640,7 +640,7 @@ class _DistributedMixin:
         state["hvcomm"] = {"step": self._step,
                            "residuals_by_param": {k: v.clone() for k, v in
                                                   self._residuals_by_param().items()}}
-        if self._delayed is not None:
+        if self.delay is not None:
             prev = self._collect_previous()  # waits for, but does not apply, the last step's
             state["hvcomm"]["delay"] = {
                 "W": None if self._W is None else {self._names[p]: w.clone()
@@ -660,7 +660,7 @@ class _DistributedMixin:
         if ours is not None:
             self._step = ours["step"]
             delay_state = ours.get("delay")
-            if self._delayed is not None and delay_state is not None:
+            if self.delay is not None and delay_state is not None:
                 by_name = {self._names[p]: p for p in self._params}
                 self._W = (None if delay_state["W"] is None else
                            {by_name[k]: v.clone() for k, v in delay_state["W"].items()})

@@ -31,10 +31,9 @@ class P3Round:
     """The gradients of one iteration: filled by :meth:`ready` on the main thread, sent by
     :meth:`job` on the engine thread, read with :meth:`wait` (sums over ranks, flat)."""
 
-    def __init__(self, numels: Sequence[int], dtypes: Sequence[torch.dtype],
-                 names: Sequence[str], slice_elems: int):
+    def __init__(self, numels: Sequence[int], names: Sequence[str], slice_elems: int):
         self.n = len(numels)
-        self.numels, self.dtypes, self.names = list(numels), list(dtypes), list(names)
+        self.names = list(names)
         self.bounds: List[List[tuple]] = [
             [(lo, min(lo + slice_elems, n)) for lo in range(0, max(n, 1), slice_elems)]
             for n in numels]

@@ -151,7 +151,7 @@ def check_p3_priority_overtakes():
     from hvcomm.torch.p3 import P3Round
     from hvcomm.torch.runtime import runtime
     n, r = hvd.size(), hvd.rank()
-    rnd = P3Round([40, 30, 4000], [torch.float64] * 3, ["a", "b", "c"], slice_elems=10)
+    rnd = P3Round([40, 30, 4000], ["a", "b", "c"], slice_elems=10)
     handle = runtime().engine.submit(rnd.job)
     grads = [torch.full((k,), float(r + 1), dtype=torch.float64) for k in (40, 30, 4000)]
     rnd.ready(2, grads[2].clone())            # lowest priority, 400 slices
