@@ -51,6 +51,7 @@ def _ring_schedule(comm, x, acc_dtype, tag):
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1:
         return x
+    result, x = x, x.reshape(-1)  # chunks of the flat view: a view, x being contiguous
     counts = np.array([x.size // p + (i < x.size % p) for i in range(p)], np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
     seg = lambda c: slice(offsets[c], offsets[c] + counts[c])  # noqa: E731
@@ -65,7 +66,7 @@ def _ring_schedule(comm, x, acc_dtype, tag):
     order = [(q + 1) % p for q in range(p)]  # rank q contributes chunk (q+1) % p
     mine = acc[seg((r + 1) % p)].astype(x.dtype)
     yield [comm.Iallgatherv(mine, (x, (counts[order].tolist(), offsets[order].tolist())))]
-    return x
+    return result
 
 
 def iring_allreduce(comm: MPI.Comm, x: np.ndarray, acc_dtype=np.float32, *,
@@ -77,6 +78,7 @@ def iring_allreduce(comm: MPI.Comm, x: np.ndarray, acc_dtype=np.float32, *,
     Ring reduce-scatter over point-to-point (P-1 steps of d/P elements), then an
     Allgatherv of the reduced chunks: 2(P-1) alpha + 2(P-1)/P * d * itemsize * beta.
     Every rank ends with the same values (each chunk is rounded to x.dtype once, by its owner).
+    Any shape: the chunks are cut from the flat view of ``x`` (which must be C-contiguous).
     """
     err = _dense_error(x)
     if err:

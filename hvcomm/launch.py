@@ -1,13 +1,12 @@
 """Build and run ``mpirun`` command lines for the venv's own Open MPI (no torch import)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 
 def find_mpirun() -> str:
@@ -41,25 +40,3 @@ def run(n: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str
     """Run ``python -m mpi4py ARGV`` on n ranks of this machine."""
     return subprocess.run(mpirun_cmd(n, argv, mpi_args), env=mpi_env(env), timeout=timeout,
                           capture_output=capture, text=True)
-
-
-def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, net: str = "shm",
-               **kw) -> Any:
-    """Run ``argv --out OUT`` on n ranks and return the JSON that rank 0 wrote to OUT.
-
-    ``net`` is "shm" (one node, shared memory) or a link rate such as "1gbit": then every
-    rank runs on its own emulated host (see hvcomm.netem). Raises RuntimeError with the tail
-    of the output if the job fails.
-    """
-    argv = [*argv, "--out", str(out)]
-    if net == "shm":
-        proc = run(n, argv, timeout=timeout, **kw)
-    else:
-        from .netem import EmulatedCluster
-        with EmulatedCluster(hosts=n, rate=net) as cluster:
-            proc = cluster.mpirun(argv, timeout=timeout, **kw)
-    if proc.returncode != 0 or not out.exists():
-        tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
-        raise RuntimeError(f"{' '.join(map(str, argv[:1]))} on {n} ranks failed "
-                           f"(exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())

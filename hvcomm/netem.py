@@ -11,6 +11,7 @@ some kernels lack (then only latency 0 is accepted, and the veth's own ~10 us ap
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from collectives.errors import HvcommError
 
@@ -240,6 +241,27 @@ class EmulatedCluster:
 
 
 _FORWARD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH")
+
+
+def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, net: str = "shm",
+               **kw) -> Any:
+    """Run ``argv --out OUT`` on n ranks and return the JSON that rank 0 wrote to OUT.
+
+    ``net`` is "shm" (one node, shared memory) or a link rate such as "1gbit": then every
+    rank runs on its own emulated host. Raises RuntimeError with the tail
+    of the output if the job fails.
+    """
+    argv = [*argv, "--out", str(out)]
+    if net == "shm":
+        proc = launch.run(n, argv, timeout=timeout, **kw)
+    else:
+        with EmulatedCluster(hosts=n, rate=net) as cluster:
+            proc = cluster.mpirun(argv, timeout=timeout, **kw)
+    if proc.returncode != 0 or not out.exists():
+        tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
+        raise RuntimeError(f"{' '.join(map(str, argv[:1]))} on {n} ranks failed "
+                           f"(exit {proc.returncode}):\n{tail}")
+    return json.loads(out.read_text())
 
 
 def add_net_option(parser) -> None:

@@ -11,7 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from hvcomm import launch, netem, report
+from hvcomm import netem, report
 
 
 def worker(args) -> None:
@@ -72,7 +72,7 @@ def main() -> None:
     for p in args.sizes:
         argv = [__file__, "--worker", "--repeats", str(args.repeats), "--d", *map(str, args.d),
                 "--density", *map(str, args.density)]
-        res = launch.run_worker(p, argv, timeout=1800, out=tmp / f"{p}.json",
+        res = netem.run_worker(p, argv, timeout=1800, out=tmp / f"{p}.json",
                                 net=net)
         rows += res["rows"]
         fits.append(f"P={p}: alpha = {res['alpha_s'] * 1e6:.1f} us, "

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import launch, netem, report
+from hvcomm import netem, report
 
 WIDTH, LAYERS = 1600, 10  # 10 x (1600*1600 + 1600) = 25.6M parameters, 102 MB of float32
 
@@ -75,7 +75,7 @@ def main() -> None:
     for p in args.sizes:
         res = {}
         for fw in ("hvcomm", "horovod"):
-            res[fw] = launch.run_worker(p, [__file__, "--worker", "--framework", fw,
+            res[fw] = netem.run_worker(p, [__file__, "--worker", "--framework", fw,
                                             "--batch", str(args.batch), "--warmup",
                                             str(args.warmup), "--iters", str(args.iters)],
                                         timeout=900, out=tmp / f"{fw}-{p}.json", net=net)

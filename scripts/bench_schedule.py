@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import launch, netem, report
+from hvcomm import netem, report
 
 SCHEDULES = ("wfbp", "single", "threshold", "merge_rule", "mgwfbp", "p3", "p3:1000000")
 
@@ -134,7 +134,7 @@ def main() -> None:
         net, label = netem.resolve_net(net_arg)
         labels.append(label)
         for model in args.models:
-            res = launch.run_worker(args.n, [
+            res = netem.run_worker(args.n, [
                 __file__, "--worker", "--model", model, "--batch", str(args.batch),
                 "--warmup", str(args.warmup), "--iters", str(args.iters), "--repeats",
                 str(args.repeats), "--schedules", *args.schedules],

@@ -11,7 +11,7 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
-from hvcomm import launch, netem, report
+from hvcomm import netem, report
 
 SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
 
@@ -60,7 +60,7 @@ def main() -> None:
     results, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-main-"))
     for m in methods:
         print(f"== {m}: {args.ranks} ranks, {label}", flush=True)
-        results.append(launch.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
+        results.append(netem.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
                                                       str(args.epochs), "--batch",
                                                       str(args.batch), "--delay-warmup",
                                                       str(args.delay_warmup)], timeout=1800,

@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hvcomm import launch, netem, report
+from hvcomm import netem, report
 
 SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
 
@@ -52,7 +52,7 @@ def main() -> None:
             tl = tmp / f"{method}-{batch}" / "t.json"
             tl.parent.mkdir()
             os.environ["HVCOMM_TIMELINE"] = str(tl)
-            res = launch.run_worker(args.ranks, [
+            res = netem.run_worker(args.ranks, [
                 str(SCRIPT), "--method", method, "--epochs", str(args.epochs), "--batch",
                 str(batch), "--delay-warmup", str(args.delay_warmup)],
                 timeout=900, out=tmp / f"{method}-{batch}.json", net=net)

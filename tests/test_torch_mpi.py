@@ -72,3 +72,8 @@ def test_schedules_change_timing_not_weights(n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_delayed_synchronisation(n):
     mpirun(n, "check_delayed.py", timeout=300)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives_match_serial_reference(n):
+    mpirun(n, "check_collectives_property.py", timeout=180)

@@ -7,9 +7,9 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
                   broadcast_object, join, poll, synchronize)
 from .optimizer import DistributedOptimizer
-from .timeline import start_timeline, stop_timeline
 from .runtime import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
-                      mpi_comm, rank, shutdown, size)
+                      mpi_comm, rank, shutdown, size, start_timeline)
+from .timeline import stop_timeline
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "Delay", "DistributedOptimizer", "Max", "Min",

@@ -32,6 +32,10 @@ import torch
 
 from collectives.errors import HvcommError
 
+from . import timeline
+from .strategy import Strategy, in_flight_error
+from .sync import Launched, Synchronous
+
 MODES = ("od", "ssd", "cd")
 
 
@@ -70,6 +74,11 @@ class Delay:
     def is_full_precision(self, delayed_index: int) -> bool:
         return self.mode == "cd" and (delayed_index + 1) % self.k == 0
 
+    def sends_dense(self, step: int) -> bool:
+        """Warm-up steps, and CD's k-step corrections, go uncompressed."""
+        j = step - self.warmup_steps
+        return j < 0 or self.is_full_precision(j)
+
 
 def as_delay(delay) -> Optional[Delay]:
     if delay is None or isinstance(delay, Delay):
@@ -102,3 +111,136 @@ def local_update(cfg: Delay, groups: Sequence[dict], W: Dict[torch.nn.Parameter,
                 p.sub_(lr * (g + wd * p if wd else g))
                 if cfg.glu and W_before is not None:
                     p.add_(cfg.glu * (W[p] - W_before[p]))
+
+
+class Delayed(Strategy):
+    """The delayed modes around a :class:`Synchronous` that launches the buckets (built with
+    ``dense_at=delay.sends_dense``). ``optimizer`` is the DistributedOptimizer (its
+    param_groups give the local learning rates)."""
+
+    def __init__(self, sync: Synchronous, delay: Delay, optimizer: torch.optim.Optimizer):
+        super().__init__(sync.params, sync.names, sync.base_step)
+        self.sync, self.delay, self._optimizer = sync, delay, optimizer
+        self._W: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None  # global weights
+        self._in_flight: Optional[Launched] = None   # last step's collectives, under way
+        self._averaged: Optional[Dict[str, torch.Tensor]] = None  # ... or done, not applied
+
+    @property
+    def comm_stats(self):
+        return self.sync.comm_stats
+
+    @property
+    def steps(self) -> int:
+        return self.sync.steps
+
+    @property
+    def plan(self):
+        return self.sync.plan
+
+    def _warming_up(self) -> bool:
+        return self.sync.steps < self.delay.warmup_steps
+
+    def on_grad(self, i: int) -> None:
+        self.sync.on_grad(i)
+
+    def synchronize(self) -> None:
+        if not self._warming_up():
+            raise HvcommError("with delay=..., step() averages the gradients (one step late); "
+                              "synchronize() is not available after the warm-up")
+        self.sync.synchronize()
+
+    def update(self, closure=None):
+        """Warm-up: the synchronous update; W follows the weights."""
+        self.synchronize()  # raises after the warm-up
+        return self._synchronous_update(closure)
+
+    def _synchronous_update(self, closure):
+        loss = self.sync.update(closure)
+        with torch.no_grad():
+            for p, w in self._W.items():
+                w.copy_(p)
+        return loss
+
+    def step(self, closure=None):
+        if self._W is None:  # W starts as the weights of the first step (after any broadcast)
+            self._W = {p: p.detach().clone() for p in self.params}
+        if self._warming_up():
+            self.sync.synchronize()
+            return self._synchronous_update(closure)
+        d = self.delay
+        loss = closure() if closure is not None else None
+        launched = self.sync.take_launched()
+        reset = d.is_reset(self.sync.steps - d.warmup_steps)
+        averaged = self._collect_previous()
+        W_before = None
+        if averaged is not None:
+            if not reset and d.glu:
+                W_before = {p: w.clone() for p, w in self._W.items()}
+            with timeline.measure("wait+global update"):
+                self._global_update(averaged)
+        with timeline.measure("local update"):
+            local_update(d, self._optimizer.param_groups, self._W, W_before, reset)
+        self._in_flight = launched
+        self.sync.steps += 1
+        return loss
+
+    def _collect_previous(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The last step's averaged gradients by parameter name (waiting if in flight)."""
+        if self._in_flight is not None:
+            self._averaged = {self.names[i]: g for i, g in self.sync.collect(self._in_flight)}
+            self._in_flight = None
+        return self._averaged
+
+    def _global_update(self, averaged: Dict[str, torch.Tensor]) -> None:
+        """W <- the wrapped optimizer's step on W with the averaged gradients, which are
+        then consumed."""
+        saved = []
+        for p, name in zip(self.params, self.names):
+            saved.append((p.data, p.grad))
+            p.data = self._W[p]
+            p.grad = averaged[name].to(p.dtype)
+        try:
+            with timeline.measure("global update"):
+                self.base_step(None)
+        finally:
+            for p, (data, grad) in zip(self.params, saved):
+                p.data, p.grad = data, grad
+        self._averaged = None
+
+    def finish_pending(self) -> None:
+        """Advance W with the last step's average and set the local weights to W."""
+        if self._W is None:
+            return
+        averaged = self._collect_previous()
+        if averaged is not None:
+            self._global_update(averaged)
+        with torch.no_grad():
+            for p, w in self._W.items():
+                p.copy_(w)
+
+    def global_weights(self) -> Dict[str, torch.Tensor]:
+        if self._W is None:
+            return {n: p.detach().clone() for p, n in zip(self.params, self.names)}
+        return {n: self._W[p] for p, n in zip(self.params, self.names)}
+
+    def state_dict(self):
+        averaged = self._collect_previous()  # waits for, but does not apply, the last step's
+        state = self.sync.state_dict()
+        state["delay"] = {
+            "W": None if self._W is None else {n: self._W[p].clone()
+                                               for p, n in zip(self.params, self.names)},
+            "previous": None if averaged is None else {k: v.clone() for k, v in averaged.items()}}
+        return state
+
+    def load_state_dict(self, state) -> None:
+        if state is None and self._in_flight is not None:
+            raise in_flight_error()
+        self.sync.load_state_dict(state)
+        delay_state = None if state is None else state.get("delay")
+        if delay_state is not None:
+            by_name = dict(zip(self.names, self.params))
+            self._W = (None if delay_state["W"] is None else
+                       {by_name[k]: v.clone() for k, v in delay_state["W"].items()})
+            self._averaged = (None if delay_state["previous"] is None else
+                              {k: v.clone() for k, v in delay_state["previous"].items()})
+            self._in_flight = None

@@ -46,7 +46,7 @@ class Engine:
 
     def __init__(self, comm):
         self.comm = comm
-        self.open_streams = 0  # running jobs that wait for the main thread (a P3 round)
+        self._open_streams = 0  # running jobs that wait for the main thread (a P3 round)
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="hvcomm-engine", daemon=True)
         self._thread.start()
@@ -66,9 +66,17 @@ class Engine:
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 handle._finish(error=e)
 
+    def open_stream(self) -> None:
+        """A job that waits for the main thread (a P3 round) is submitted."""
+        self._open_streams += 1
+
+    def close_stream(self) -> None:
+        """The main thread has handed that job everything it waits for."""
+        self._open_streams -= 1
+
     def check_can_wait(self, what: str) -> None:
         """Refuse to block the main thread on a job queued behind one that waits for it."""
-        if self.open_streams:
+        if self._open_streams:
             raise HvcommError(f"{what}: a DistributedOptimizer(schedule='p3') round is open "
                               "(after backward, before step()); this collective would wait for "
                               "it forever. Call it after optimizer.step()")

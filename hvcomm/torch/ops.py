@@ -31,6 +31,13 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
+def _as_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy view for collectives that only move data: bfloat16 as its raw 16 bits."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.detach().numpy()
+
+
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
@@ -96,26 +103,55 @@ def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
     return op
 
 
+_REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
+              torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> None:
+    """Multiply in place as Horovod scales: integers in float64 and float16/bfloat16 in
+    float32, the product cast back to the tensor's dtype (integers truncated towards zero)."""
+    if factor == 1.0:
+        return
+    if tensor.dtype in (torch.float32, torch.float64):
+        tensor.mul_(factor)
+    else:
+        wide = torch.float32 if tensor.dtype.is_floating_point else torch.float64
+        tensor.copy_(tensor.to(wide) * factor)
+
+
+def _reduce_in_place(comm: MPI.Comm, tensor: torch.Tensor, op: str) -> None:
+    """Reduce a contiguous host tensor over the ranks. bfloat16 (which NumPy lacks) is
+    reduced as float32, and so is float16 under Min, Max and Product."""
+    wide = tensor.dtype == torch.bfloat16 or (tensor.dtype == torch.float16
+                                              and op not in (Sum, Average))
+    buf = tensor.float() if wide else tensor
+    if op in (Sum, Average):
+        sum_in_place(comm, as_numpy(buf))
+    else:
+        comm.Allreduce(MPI.IN_PLACE, as_numpy(buf), op=_MPI_OPS[op])
+    if wide:
+        tensor.copy_(buf)
+
+
 def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: torch.Tensor,
                     name, op, prescale, postscale):
-    """Reduce host buffer ``out`` in place, copy it into ``target`` (if any), give ``result``."""
-    if prescale != 1.0:
-        out.mul_(prescale)
-    buf = as_numpy(out)
+    """Reduce host buffer ``out`` in place, copy it into ``target`` (if any), give ``result``.
+    Horovod's order: ``prescale`` each rank's tensor, reduce, then scale the result by
+    ``postscale`` (divided by the size for an average)."""
     sig = ("allreduce", name, tuple(out.shape), str(out.dtype), op)
+    what = f"allreduce {name or ''}".strip()
 
     def job(comm):
-        check_signature(comm, sig, f"allreduce {name or ''}".strip())
-        if op in (Sum, Average):
-            sum_in_place(comm, buf)
-        else:
-            comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+        check_signature(comm, sig, what)
+        if out.dtype not in _REDUCIBLE:  # the same dtype on every rank: all raise together
+            raise HvcommError(f"{what}: {out.dtype} tensors cannot be reduced; allreduce "
+                              f"takes {', '.join(str(d) for d in _REDUCIBLE)} (allgather and "
+                              "broadcast take any dtype)")
+        scale_(out, prescale)
+        _reduce_in_place(comm, out, op)
+        scale_(out, postscale / comm.Get_size() if op == Average else postscale)
 
     def finish(_):
-        if op == Average:
-            out.div_(runtime().comm.Get_size())
-        if postscale != 1.0:
-            out.mul_(postscale)
         if target is not None:
             target.copy_(out)
         return result
@@ -174,7 +210,7 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
         per_row = int(np.prod(src.shape[1:], dtype=np.int64))
         counts = [n * per_row for n, _ in rows]
         out = torch.empty((sum(n for n, _ in rows), *src.shape[1:]), dtype=src.dtype)
-        comm.Allgatherv(as_numpy(src).ravel(), (as_numpy(out).ravel(), counts))
+        comm.Allgatherv(_as_bits(src).ravel(), (_as_bits(out).ravel(), counts))
         return out
 
     return _register(runtime().engine.submit(job), lambda out: out.to(tensor.device))
@@ -188,7 +224,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     """Start an in-place broadcast of ``tensor`` from ``root_rank``."""
     in_place = tensor.device.type == "cpu" and tensor.is_contiguous()
     host = tensor.data if in_place else _host_copy(tensor)
-    buf = as_numpy(host)
+    buf = _as_bits(host)
     sig = ("broadcast", name, tuple(host.shape), str(host.dtype), int(root_rank))
 
     def job(comm):

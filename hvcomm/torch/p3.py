@@ -23,8 +23,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import timeline
+from .buckets import CommStats, flat_grad
+from .engine import Engine
 from .ops import as_numpy
-from .timeline import measure
+from .strategy import BaseStep, Strategy, in_flight_error
 
 
 class P3Round:
@@ -70,6 +73,10 @@ class P3Round:
         return self.results[i]
 
     # -- engine thread ---------------------------------------------------------------------
+    def _slice_sent(self, i: int, s: int) -> None:
+        """Slice s of parameter i is summed (engine thread, before the next choice)."""
+        self.sent.append((i, s))
+
     def job(self, comm: MPI.Comm) -> None:
         try:
             self._run(comm)
@@ -102,15 +109,159 @@ class P3Round:
             buf[:hi - lo] = src[lo:hi]
             with self._cond:
                 buf[hi - lo:] = self._local
-            with measure(f"p3 {self.names[i]}[{lo}:{hi}]", "comm"):
+            with timeline.measure(f"p3 {self.names[i]}[{lo}:{hi}]", "comm"):
                 comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             as_numpy(self.results[i])[lo:hi] = buf[:hi - lo]
             everywhere |= buf[hi - lo:] > size - 0.5
             self.messages += 1
             self.payload_bytes += (hi - lo) * buf.itemsize
             self.sent_bytes += 2 * (size - 1) / size * buf.nbytes
-            self.sent.append((i, next_slice[i]))
+            self._slice_sent(i, next_slice[i])
             next_slice[i] += 1
             left -= 1
             if next_slice[i] == len(self.bounds[i]):
                 self._done[i].set()
+
+
+class P3(Strategy):
+    """P3 as a synchronisation strategy: each final gradient goes into this iteration's
+    :class:`P3Round`, whose job sends slices in priority order. Without ``model``,
+    ``synchronize()`` waits for every slice. With ``model``, ``step()`` hands the round over
+    and returns; each module's next forward (a pre-hook) applies the update of the
+    parameters it owns, waiting only for their slices. ``optimizer`` is the
+    DistributedOptimizer, whose param_groups a partial update narrows for a moment."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 base_step: BaseStep, engine: Engine, optimizer: torch.optim.Optimizer,
+                 slice_elems: int, *, predivide: float = 1.0, scale: float = 1.0,
+                 model: Optional[torch.nn.Module] = None):
+        super().__init__(params, names, base_step)
+        self._engine, self._optimizer, self.slice_elems = engine, optimizer, slice_elems
+        self.comm_stats, self.steps = CommStats(), 0
+        self.predivide, self.scale = predivide, scale
+        self._index = {p: i for i, p in enumerate(self.params)}
+        self._round: Optional[P3Round] = None      # this iteration's gradients
+        self._round_handle = None
+        self._deferred: Optional[P3Round] = None   # last iteration's, applied module by module
+        self._deferred_left: set = set()
+        self._zeroed_since_step = False
+        self._module_hooks: list = []
+        if model is not None:
+            self._attach(model)
+
+    def on_grad(self, i: int) -> None:
+        self._finish_deferred()  # a parameter used before its owner's forward
+        if self._round is None:
+            self._round = P3Round([p.numel() for p in self.params], self.names,
+                                  self.slice_elems)
+            self._engine.open_stream()
+            self._round_handle = self._engine.submit(self._round.job)
+        self._round.ready(i, flat_grad([self.params[i]], self.predivide))
+
+    def _close(self) -> P3Round:
+        """Hand over every gradient not handed over yet (zeros where none); the round's job
+        then finishes on every rank."""
+        if self._round is None:
+            self.on_grad(0)
+        r, self._round = self._round, None
+        for i, p in enumerate(self.params):
+            if not r.is_ready(i):
+                r.ready(i, flat_grad([p], self.predivide))
+        self._engine.close_stream()
+        return r
+
+    def _collect(self, r: P3Round, indices) -> None:
+        """Wait for these parameters' sums and put the average into .grad."""
+        with timeline.measure("wait"):
+            for i in sorted(indices):
+                total = r.wait(i)
+                self.params[i].grad = (total * self.scale if self.scale != 1.0
+                                       else total).view_as(self.params[i])
+
+    def _round_stats(self, r: P3Round) -> CommStats:
+        self._round_handle.wait()
+        return CommStats(r.messages + r.negotiations, r.payload_bytes, r.sent_bytes)
+
+    def synchronize(self) -> None:
+        self._finish_deferred()
+        r = self._close()
+        self._collect(r, range(len(self.params)))
+        self.comm_stats = self._round_stats(r)
+        self.steps += 1
+
+    def update(self, closure=None):
+        with timeline.measure("update"):
+            return self.base_step(closure)
+
+    def step(self, closure=None):
+        if not self._module_hooks or closure is not None:
+            return super().step(closure)
+        self._finish_deferred()
+        self._deferred = self._close()
+        self._deferred_left = set(range(len(self.params)))
+        self._zeroed_since_step = False
+        self.steps += 1
+        return None
+
+    def zero_grad(self) -> None:
+        self._zeroed_since_step = True
+
+    # -- deferred updates (model=) ------------------------------------------------------------
+    def _attach(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            owned = {self._index[p] for p in module.parameters(recurse=False)
+                     if p in self._index}
+            if owned:
+                self._module_hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _inp, owned=owned: self._apply_deferred(owned)))
+        self._module_hooks.append(model.register_state_dict_pre_hook(
+            lambda *_a, **_k: self._finish_deferred()))
+
+    def _apply_deferred(self, indices) -> None:
+        todo = self._deferred_left & set(indices)
+        if not todo or self._deferred is None:
+            return
+        r = self._deferred
+        params = [self.params[i] for i in sorted(todo)]
+        saved = [p.grad for p in params]
+        self._collect(r, todo)
+        self._deferred_left -= todo
+        if not self._deferred_left:
+            self._deferred = None
+            self.comm_stats = self._round_stats(r)
+        with timeline.measure("update", params=len(params)):
+            self._update_only(params)
+        if self._zeroed_since_step:
+            for p, g in zip(params, saved):
+                p.grad = g
+
+    def _update_only(self, params) -> None:
+        """The wrapped optimizer's step on a subset of the parameters."""
+        keep = {id(p) for p in params}
+        groups = self._optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+        try:
+            self.base_step(None)
+        finally:
+            for g, ps in zip(groups, saved):
+                g["params"] = ps
+
+    def _finish_deferred(self) -> None:
+        if self._deferred is not None:
+            self._apply_deferred(set(self._deferred_left))
+
+    def finish_pending(self) -> None:
+        self._finish_deferred()
+
+    def state_dict(self):
+        self._finish_deferred()
+        return {"step": self.steps, "residuals_by_param": {}}
+
+    def load_state_dict(self, state) -> None:
+        self._finish_deferred()
+        if self._round is not None:
+            raise in_flight_error()
+        if state is not None:
+            self.steps = state["step"]

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 import collectives as C
 
+from .buckets import Bucket
 from .compression import Compressor
 from .engine import Engine, Handle
 from .memory import ErrorFeedback
@@ -16,11 +17,19 @@ from .ops import as_numpy, sum_in_place
 
 @dataclass
 class InFlight:
+    """One bucket's collective on the engine; ``finish()`` waits for it."""
+
+    reducer: "Reducer"
     handle: Handle
     payload: Any
     ctx: Any
-    key: str
-    like: Any = None  # (numel, dtype) of the bucket, for a residual created late
+    names: Sequence[str] = ()     # the bucket's parameters (their residuals)
+    numels: Sequence[int] = ()
+    dtype: Any = None
+
+    def finish(self):
+        """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""
+        return self.reducer.finish(self)
 
 
 def _collective_job(collective: str, payload: Any, ctx: Any):
@@ -52,32 +61,30 @@ class Reducer:
         self.engine, self.compressor, self.memory = engine, compressor, memory
         self.native = isinstance(compressor, Compressor)
 
-    def start(self, key: str, flat: torch.Tensor, step: int) -> InFlight:
-        comp = self.compressor
+    def start(self, bucket: Bucket, flat: torch.Tensor, step: int) -> InFlight:
+        comp, key = self.compressor, bucket.key
         if not self.native:
             payload, ctx = comp.compress(flat)
             payload = payload.contiguous()
-            return InFlight(self.engine.submit(_collective_job("allreduce", payload, ctx),
-                                               f"allreduce {key[:80]}"), payload, ctx, key)
-        acc = self.memory.compensate(key, flat) if comp.error_feedback else flat
+            return InFlight(self, self.engine.submit(_collective_job("allreduce", payload, ctx),
+                                                     f"allreduce {key[:80]}"), payload, ctx)
+        names, numels = bucket.names, bucket.numels
+        acc = self.memory.compensate(names, numels, flat) if comp.error_feedback else flat
         payload, ctx = comp.compress(acc, step, key)
         if comp.error_feedback:
-            self.memory.store(key, comp.residual(acc, payload, ctx))
-        return InFlight(self.engine.submit(_collective_job(comp.collective, payload, ctx),
-                                           f"{comp.collective} {key[:80]}"), payload, ctx, key,
-                        (flat.numel(), flat.dtype))
+            self.memory.store(names, numels, comp.residual(acc, payload, ctx))
+        return InFlight(self, self.engine.submit(_collective_job(comp.collective, payload, ctx),
+                                                 f"{comp.collective} {key[:80]}"),
+                        payload, ctx, names, numels, flat.dtype)
 
     def finish(self, job: InFlight):
-        """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""
+        """See :meth:`InFlight.finish`."""
         result, sent = job.handle.wait()
         comp = self.compressor
         if self.native and comp.error_feedback:
-            # the residual may have been sent in the meantime (CD-SGD's full-precision step)
-            residual = self.memory.residuals.get(job.key)
-            if residual is None:
-                residual = self.memory.residuals[job.key] = torch.zeros(job.like[0],
-                                                                       dtype=job.like[1])
-            comp.settle(residual, job.payload, result)
+            # into the residual as it is now: with delay=, the next step's compensation may
+            # already have taken the one this job stored
+            comp.settle(self.memory.flat(job.names, job.numels, job.dtype), job.payload, result)
         parts = job.payload if isinstance(job.payload, tuple) else (job.payload,)
         payload_bytes = sum(p.nbytes if hasattr(p, "nbytes") else p.numel() * p.element_size()
                             for p in parts)

@@ -81,7 +81,7 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     if abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
         _previous_excepthook, sys.excepthook = sys.excepthook, _abort_on_uncaught
     if os.environ.get("HVCOMM_TIMELINE"):
-        timeline.start_timeline(os.environ["HVCOMM_TIMELINE"])
+        start_timeline(os.environ["HVCOMM_TIMELINE"])
     atexit.register(shutdown)
 
 
@@ -138,3 +138,10 @@ def cross_rank() -> int:
 def mpi_comm() -> MPI.Comm:
     """hvcomm's duplicate of the user's communicator, for mpi4py calls of your own."""
     return runtime().comm
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's name: start writing this rank's timeline (Chrome trace JSON) to
+    ``file_path`` (``stem.rank<R>.json`` when several ranks run); see
+    :mod:`hvcomm.torch.timeline`."""
+    timeline.start(file_path, rank(), size())

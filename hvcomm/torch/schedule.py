@@ -1,7 +1,9 @@
-"""Profiling the backward pass from the gradient hooks, and the communicator's cost fit,
-for the planner in :mod:`hvcomm.planner`."""
+"""Scheduled groupings for the synchronous strategy: profiling the backward pass from the
+gradient hooks, the communicator's cost fit, and :class:`ScheduledPlans`, which turns them into
+plans with :mod:`hvcomm.planner` (and races them, for "mgwfbp")."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Dict, List, Optional, Sequence
@@ -117,3 +119,114 @@ def observed_trace(ready: np.ndarray, update_s: float, nbytes: Sequence[int],
     trace = planner.Trace(tuple(times), tuple(nbytes[i] for i in order), update_s,
                           tuple(keys[i] for i in order), tuple(names[i] for i in order))
     return order, trace
+
+
+class _Race:
+    """The race of "mgwfbp": each candidate plan runs one warm-up and ``steps`` timed
+    iterations in turn; the fastest (slowest rank's best time) wins."""
+
+    def __init__(self, candidates: List[planner.Prediction], steps: int):
+        self.candidates, self.steps = candidates, steps
+        self.times: List[List[float]] = [[] for _ in candidates]
+        self.at, self.warm = 0, True
+
+    def record(self, seconds: float) -> "tuple[Optional[planner.Prediction], bool]":
+        """Count one iteration of the current candidate: (plan to install now or None,
+        whether the race is over)."""
+        if self.warm:
+            self.warm = False
+            return None, False
+        self.times[self.at].append(seconds)
+        if len(self.times[self.at]) < self.steps:
+            return None, False
+        self.at, self.warm = self.at + 1, True
+        if self.at < len(self.candidates):
+            return self.candidates[self.at], False
+        return None, True
+
+
+class ScheduledPlans:
+    """A planner-driven source of groupings for :class:`hvcomm.torch.sync.Synchronous`.
+
+    Profiles the first iterations (1 skipped, then ``profile_steps``) with everything sent in
+    one message after backward, fits the communicator's cost, asks the planner for every
+    schedule's plan and prediction (``schedule_report``) and hands back the chosen grouping.
+    "mgwfbp" then races its plan against the single, threshold and WFBP plans
+    (``trial_steps`` timed iterations each, after one warm-up) and keeps the fastest
+    (``trial_report``, ``plan_origin``). Every decision is identical on every rank."""
+
+    def __init__(self, schedule: str, nbytes: Sequence[int], dtypes: Sequence[str],
+                 names: Sequence[str], engine: Engine, fusion_threshold_bytes: int,
+                 profile_steps: int = 3, trial_steps: int = 5):
+        self.schedule = schedule
+        self._nbytes, self._dtypes, self._names = list(nbytes), list(dtypes), list(names)
+        self._engine, self._threshold = engine, fusion_threshold_bytes
+        self._profiler: Optional[Profiler] = Profiler(len(nbytes), steps=profile_steps)
+        self._trial_steps = trial_steps
+        self._race: Optional[_Race] = None
+        self._order = list(range(len(nbytes)))
+        self._last_step_end = time.perf_counter()
+        self.schedule_report: List[planner.Prediction] = []   # every schedule, once planned
+        self.plan_prediction: Optional[planner.Prediction] = None  # the one in use
+        self.trial_report: Dict[str, float] = {}   # candidate -> best measured iteration (s)
+        self.plan_origin: Optional[str] = None     # which candidate's plan "mgwfbp" kept
+
+    @property
+    def racing(self) -> bool:
+        return self._race is not None
+
+    def grad_ready(self, i: int) -> None:
+        if self._profiler is not None:
+            self._profiler.grad_ready(i)
+
+    def after_step(self, comm_end: float) -> Optional[List[List[int]]]:
+        """The step has ended (collective on every rank while planning): the new grouping,
+        or None to keep the current one."""
+        new = None
+        prof = self._profiler
+        if prof is not None:
+            prof.tail(comm_end)
+        if self._race is not None:
+            new = self._race_iteration(time.perf_counter() - self._last_step_end)
+        if prof is not None:
+            was_recording = prof.recording
+            prof.next_iteration()
+            if was_recording and prof.complete:
+                new = self._replan()
+                self._profiler = None
+        self._last_step_end = time.perf_counter()  # planning is not the next iteration's time
+        return new
+
+    def _replan(self) -> List[List[int]]:
+        ready, update_s = self._engine.submit(lambda comm: self._profiler.agreed(comm)).wait()
+        self._order, trace = observed_trace(ready, update_s, self._nbytes, self._dtypes,
+                                            self._names)
+        cost = cost_for(self._engine, sum(self._nbytes))
+        self.schedule_report = planner.compare(trace, cost, self._threshold)
+        by_name = {p.schedule: p for p in self.schedule_report}
+        if self.schedule == "mgwfbp" and self._trial_steps > 0:
+            seen, candidates = set(), []
+            for name in ("mgwfbp", "single", "threshold", "wfbp"):
+                if by_name[name].plan.buckets not in seen:
+                    seen.add(by_name[name].plan.buckets)
+                    candidates.append(by_name[name])
+            self._race = _Race(candidates, self._trial_steps)
+            return self._install(candidates[0])
+        return self._install(by_name[self.schedule])
+
+    def _race_iteration(self, seconds: float) -> Optional[List[List[int]]]:
+        race = self._race
+        plan, over = race.record(seconds)
+        if not over:
+            return None if plan is None else self._install(plan)
+        best = np.array([min(ts) for ts in race.times])
+        self._engine.submit(lambda comm: comm.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)).wait()
+        self.trial_report = {c.schedule: float(b) for c, b in zip(race.candidates, best)}
+        winner = race.candidates[int(np.argmin(best))]
+        self.plan_origin = winner.schedule
+        self._race = None
+        return self._install(dataclasses.replace(winner, schedule="mgwfbp"))
+
+    def _install(self, prediction: planner.Prediction) -> List[List[int]]:
+        self.plan_prediction = prediction
+        return [[self._order[i] for i in bucket] for bucket in prediction.plan.buckets]

@@ -1,6 +1,7 @@
 """Chrome-trace timeline of each rank's compute, compression and communication spans.
 
-Enable with ``HVCOMM_TIMELINE=path`` (read by ``init()``) or ``hvcomm.torch.start_timeline(path)``.
+Enable with ``HVCOMM_TIMELINE=path`` (read by ``init()``) or ``hvcomm.torch.start_timeline(path)``
+(defined in :mod:`hvcomm.torch.runtime`, which knows the rank).
 Each rank writes its own file (``path`` itself for a one-rank job, else ``stem.rank<R>.json``),
 in the Trace Event Format's JSON array form: open it in chrome://tracing or
 https://ui.perfetto.dev. pid is the rank, so :func:`merge` can put all ranks in one view.
@@ -78,12 +79,12 @@ def active() -> Optional[Timeline]:
     return _active
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's name: start writing this rank's timeline to ``file_path`` (see module doc)."""
-    from .runtime import rank, size
+def start(file_path: str, rank: int, size: int) -> None:
+    """Start writing this rank's timeline to ``file_path`` (see module doc); the Horovod-named
+    ``hvcomm.torch.start_timeline`` passes the rank and size."""
     global _active
     stop_timeline()
-    _active = Timeline(file_path, rank(), size())
+    _active = Timeline(file_path, rank, size)
 
 
 def stop_timeline() -> None:

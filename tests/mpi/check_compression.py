@@ -12,6 +12,7 @@ from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  #
 
 import hvcomm  # noqa: E402
 import hvcomm.torch as hvd  # noqa: E402
+from hvcomm.torch.buckets import Bucket  # noqa: E402
 from hvcomm.torch.memory import ErrorFeedback  # noqa: E402
 from hvcomm.torch.reducer import Reducer  # noqa: E402
 from hvcomm.torch.runtime import runtime  # noqa: E402
@@ -53,12 +54,13 @@ def check_conservation(comp, steps=4):
     r = hvd.rank()
     memory = ErrorFeedback()
     red = Reducer(runtime().engine, comp, memory)
+    bucket = Bucket([0], ["b"], [997])
     problems = []
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * step + r)
         flat = torch.randn(997, generator=g)
-        acc_before = flat + memory.residuals.get("b", torch.zeros(997))
-        job = red.start("b", flat.clone(), step)
+        acc_before = flat + memory.state_dict().get("b", torch.zeros(997))
+        job = red.start(bucket, flat.clone(), step)
         if torch.is_tensor(job.payload):  # summed in place by now: compress again (deterministic)
             own, _ = comp.compress(acc_before.clone(), step, "b")
         else:
@@ -67,7 +69,7 @@ def check_conservation(comp, steps=4):
         result = job.handle.wait()[0]
         applied = own_applied(comp, acc_before, own, job.ctx, result)
         total = hvd.allreduce(applied, op=hvd.Sum)
-        gap = (memory.residuals["b"] + applied - acc_before).abs().max().item()
+        gap = (memory.state_dict()["b"] + applied - acc_before).abs().max().item()
         if gap > 1e-12:
             problems.append(f"step {step}: residual + applied != accumulated (max gap {gap:.3g})")
         gap = (dense - total).abs().max().item()
@@ -100,9 +102,12 @@ def check_checkpoint_resume():
         opt2.step()
     assert_close(model2, full, tol=0)
     # broadcast_optimizer_state leaves every rank's own residuals alone
-    before = {k: v.clone() for k, v in opt2._memory.residuals.items()}
+    before = opt2.state_dict()["hvcomm"]["residuals_by_param"]
+    assert before
     hvd.broadcast_optimizer_state(opt2, root_rank=0)
-    for k, v in opt2._memory.residuals.items():
+    after = opt2.state_dict()["hvcomm"]["residuals_by_param"]
+    assert sorted(after) == sorted(before)
+    for k, v in after.items():
         assert torch.equal(v, before[k])
 
 

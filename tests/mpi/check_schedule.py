@@ -28,7 +28,7 @@ def check_schedule_matches_serial(schedule, with_model=False, **kw):
     assert_same_everywhere(model)
     assert_close(model, train_serial(steps))
     if schedule == "mgwfbp":
-        assert opt._trials is None and opt.plan_origin in opt.trial_report, opt.trial_report
+        assert opt.plan_origin is not None and opt.plan_origin in opt.trial_report, opt.trial_report
         assert "mgwfbp" in opt.trial_report  # and each distinct baseline plan
         assert all(t > 0 for t in opt.trial_report.values())
         agreed = hvd.allgather_object((opt.plan_origin, opt.trial_report))
@@ -41,9 +41,9 @@ def check_schedule_matches_serial(schedule, with_model=False, **kw):
         mg = next(p for p in opt.schedule_report if p.schedule == "mgwfbp")
         assert mg.iteration_s <= best + 1e-12
         # the plan is identical everywhere and covers every parameter once
-        plan = [[opt._names[p] for p in b.params] for b in opt._buckets]
+        plan = opt.plan
         assert hvd.allgather_object(plan) == [plan] * hvd.size()
-        assert sorted(n for b in plan for n in b) == sorted(opt._names.values())
+        assert sorted(n for b in plan for n in b) == sorted(n for n, _ in model.named_parameters())
     if schedule == "p3":
         nbytes = sum(p.numel() * 8 for p in model.parameters())
         assert opt.comm_stats.payload_bytes == nbytes, (opt.comm_stats, nbytes)
@@ -110,10 +110,12 @@ def check_residuals_survive_replanning():
     x, y = data(0, hvd.size())
     torch.nn.functional.cross_entropy(model(shard(x, hvd.rank())), shard(y, hvd.rank())).backward()
     opt.step()
-    before = {k: v.clone() for k, v in opt._residuals_by_param().items()}
+    before = opt.state_dict()["hvcomm"]["residuals_by_param"]
     assert before and any(v.abs().sum() > 0 for v in before.values())
-    opt._set_buckets([[p] for p in opt._params])  # one bucket per tensor instead
-    after = opt._residuals_by_param()
+    n = len(list(model.parameters()))
+    opt._strategy.set_groups([[i] for i in range(n)])  # one bucket per tensor instead
+    assert len(opt.plan) == n
+    after = opt.state_dict()["hvcomm"]["residuals_by_param"]
     assert sorted(before) == sorted(after)
     for k in before:
         assert torch.equal(before[k], after[k]), k
@@ -146,28 +148,33 @@ def check_timeline():
 
 def check_p3_priority_overtakes():
     """A high-priority gradient that becomes ready while a long low-priority one is being
-    sent goes next; the order is identical on every rank; the sums are right."""
-    import time
+    sent goes next; the order is identical on every rank; the sums are right. Driven without
+    thread timing: a and b are handed over by the engine thread itself, right after c's 5th
+    slice, so every rank sees them before its 6th choice."""
     from hvcomm.torch.p3 import P3Round
     from hvcomm.torch.runtime import runtime
     n, r = hvd.size(), hvd.rank()
-    rnd = P3Round([40, 30, 4000], ["a", "b", "c"], slice_elems=10)
-    handle = runtime().engine.submit(rnd.job)
     grads = [torch.full((k,), float(r + 1), dtype=torch.float64) for k in (40, 30, 4000)]
+
+    class HandOverAfterFive(P3Round):
+        def _slice_sent(self, i, s):
+            super()._slice_sent(i, s)
+            if len(self.sent) == 5:
+                self.ready(1, grads[1].clone())
+                self.ready(0, grads[0].clone())
+
+    rnd = HandOverAfterFive([40, 30, 4000], ["a", "b", "c"], slice_elems=10)
+    handle = runtime().engine.submit(rnd.job)
     rnd.ready(2, grads[2].clone())            # lowest priority, 400 slices
-    while len(rnd.sent) < 5:
-        time.sleep(0.001)
-    rnd.ready(1, grads[1].clone())
-    rnd.ready(0, grads[0].clone())
     handle.wait()
     total = n * (n + 1) / 2
     for i in range(3):
         assert torch.equal(rnd.wait(i), torch.full_like(grads[i], total)), i
     order = rnd.sent
     assert hvd.allgather_object(order) == [order] * n
-    first_a = order.index((0, 0))
-    assert order[first_a:first_a + 7] == [(0, s) for s in range(4)] + [(1, s) for s in range(3)]
-    assert any(i == 2 for i, _ in order[first_a + 7:]), "c was not overtaken"
+    # c's 6th slice carries the news that a and b are ready everywhere; then a, b, the rest of c
+    assert order == ([(2, s) for s in range(6)] + [(0, s) for s in range(4)]
+                     + [(1, s) for s in range(3)] + [(2, s) for s in range(6, 400)]), order[:16]
     assert rnd.messages == 4 + 3 + 400
 
 

@@ -1,0 +1,97 @@
+"""Bucket assembly shared by every synchronisation strategy: grouping parameters into buckets,
+flattening their gradients into one buffer, and splitting a buffer back per parameter."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from collectives.merged import BucketPlan
+
+ONE_BUCKET_BYTES = 2 ** 62  # a fusion threshold no model reaches: one bucket per dtype
+
+
+@dataclass
+class CommStats:
+    """What this rank moved in one synchronisation: ``payload_bytes`` handed to the
+    collectives, ``sent_bytes`` put on the wire by this rank under the ring model."""
+
+    messages: int = 0
+    payload_bytes: int = 0
+    sent_bytes: float = 0.0
+
+    def add(self, sent_bytes: float, payload_bytes: int) -> None:
+        self.messages += 1
+        self.sent_bytes += sent_bytes
+        self.payload_bytes += payload_bytes
+
+
+@dataclass
+class Bucket:
+    """Parameters reduced together (``indices`` into the optimizer's parameter list), and
+    the in-flight state of this iteration."""
+
+    indices: List[int]
+    names: List[str]
+    numels: List[int]
+    ready: int = 0                       # parameters whose gradient is final this iteration
+    pending: Optional[object] = field(default=None, repr=False)  # the reducer's InFlight
+
+    @property
+    def key(self) -> str:
+        """Names the bucket (timeline spans, random-k seeds)."""
+        return "|".join(self.names)
+
+    @property
+    def complete(self) -> bool:
+        return self.ready == len(self.indices)
+
+
+def make_buckets(groups: Sequence[Sequence[int]], params: Sequence[torch.nn.Parameter],
+                 names: Sequence[str]) -> List[Bucket]:
+    return [Bucket(list(g), [names[i] for i in g], [params[i].numel() for i in g])
+            for g in groups]
+
+
+def plan_groups(params: Sequence[torch.nn.Parameter], groups, threshold_bytes: int
+                ) -> List[List[int]]:
+    """Buckets in launch order, as indices into ``params``: explicit ``groups`` (an int
+    count, or lists of parameters), else filled up to ``threshold_bytes`` in reverse
+    registration order (the usual backward order), never mixing dtypes."""
+    position = {id(p): i for i, p in enumerate(params)}
+    if isinstance(groups, list):
+        grouped = [[position[id(p)] for p in g] for g in groups]
+        seen = {i for g in grouped for i in g}
+        grouped += [[i] for i in range(len(params)) if i not in seen]
+        grouped.sort(key=lambda g: -max(g))
+        return grouped
+    order = list(reversed(range(len(params))))
+    if isinstance(groups, int) and groups > 0:
+        per = -(-len(params) // groups)
+        return [order[s:s + per] for s in range(0, len(order), per)]
+    plan = BucketPlan.by_threshold([p.numel() * p.element_size() for p in params],
+                                   threshold_bytes, order, keys=[p.dtype for p in params])
+    return [list(b) for b in plan.buckets]
+
+
+def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0) -> torch.Tensor:
+    """A private flat CPU copy of the parameters' gradients (zeros for a parameter with no
+    gradient on this rank, e.g. an unused branch), divided by ``predivide``."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad.detach().reshape(-1))
+    flat = torch.cat(grads).cpu()
+    if predivide != 1.0:
+        flat.div_(predivide)
+    return flat
+
+
+def split(flat: torch.Tensor, numels: Sequence[int]) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(position, its flat part) for each array packed into ``flat``."""
+    offset = 0
+    for i, n in enumerate(numels):
+        yield i, flat[offset:offset + n]
+        offset += n

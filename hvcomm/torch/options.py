@@ -1,0 +1,191 @@
+"""DistributedOptimizer's arguments as one frozen object: validation (every rank raises
+together, see :func:`collectives.errors.raise_together`) and the choices derived from them."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import torch
+from mpi4py import MPI
+
+from collectives.errors import HvcommError
+
+from .buckets import ONE_BUCKET_BYTES
+from .compression import Compressor, NoneCompressor
+from .delayed import Delay, as_delay
+from .ops import Average, Sum
+from .schedule import SCHEDULES
+
+
+@dataclass(frozen=True)
+class Options:
+    named_parameters: Optional[List[tuple]]
+    compression: Any
+    backward_passes_per_step: int = 1
+    op: str = Average
+    gradient_predivide_factor: float = 1.0
+    groups: Any = None
+    sparse_as_dense: bool = False
+    process_set: Any = None
+    fusion_threshold_bytes: Optional[int] = None
+    schedule: Optional[str] = None
+    profile_steps: int = 3
+    slice_elems: int = 50_000
+    model: Optional[torch.nn.Module] = None
+    trial_steps: int = 5
+    delay: Any = None              # as given; :meth:`resolved` turns it into a Delay
+
+    # -- derived -------------------------------------------------------------------------------
+    def resolved(self, default_threshold_bytes: int) -> "Options":
+        """After :meth:`problem` found nothing: the Delay object and the fusion threshold."""
+        threshold = self.fusion_threshold_bytes
+        return dataclasses.replace(self, delay=as_delay(self.delay),
+                                   fusion_threshold_bytes=(default_threshold_bytes
+                                                           if threshold is None else threshold))
+
+    @property
+    def predivide(self) -> float:
+        return self.gradient_predivide_factor if self.op == Average else 1.0
+
+    def scale(self, size: int) -> float:
+        """The factor applied to each sum: an average (times the predivide factor), or 1."""
+        return self.gradient_predivide_factor / size if self.op == Average else 1.0
+
+    def bucket_threshold_bytes(self) -> int:
+        """The compressor's scope decides the buckets unless groups= does: "layer" is one
+        tensor per bucket, "model" one bucket; "bucket" follows the fusion threshold."""
+        scope = getattr(self.compression, "scope", "bucket")
+        if scope == "bucket" or self.groups is not None:
+            return self.fusion_threshold_bytes
+        return 0 if scope == "layer" else ONE_BUCKET_BYTES
+
+    def agreement_key(self) -> tuple:
+        """What every rank must pass alike (besides the parameters)."""
+        return ("options", self.backward_passes_per_step, self.op,
+                self.gradient_predivide_factor, repr(self.compression), self.schedule,
+                self.profile_steps, self.slice_elems, self.model is not None, self.trial_steps,
+                repr(as_delay(self.delay)))
+
+    # -- validation ----------------------------------------------------------------------------
+    def problem(self, optimizer, size: int) -> Optional[str]:
+        """This rank's first problem with the arguments, or None."""
+        problem = _local_problem(self, optimizer, size)
+        if problem is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            problem = _schedule_problem(self, params)
+        if problem is None:
+            problem = _delay_problem(self)
+        if problem is None and self.sparse_as_dense is not False:
+            problem = "sparse_as_dense is not supported: hvcomm reduces dense gradients only"
+        if problem is None and self.process_set is not None:
+            problem = "process_set is not supported: pass a communicator to hvcomm.torch.init()"
+        return problem
+
+
+def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
+    bpps, compression = o.backward_passes_per_step, o.compression
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+    if not isinstance(bpps, int) or bpps <= 0:
+        return f"backward_passes_per_step must be a positive integer, got {bpps!r}"
+    if o.op not in (Average, Sum):
+        return f"op must be hvcomm.torch.Average or Sum for gradients, got {o.op!r}"
+    if o.gradient_predivide_factor != 1.0 and o.op != Average:
+        return "gradient_predivide_factor is only supported with op=Average"
+    if not isinstance(compression, Compressor) and not (
+            hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        return "compression must provide compress() and decompress() (e.g. Compression.fp16)"
+    if isinstance(compression, Compressor):
+        dtypes = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        bad = compression.problem(dtypes, size)
+        if bad:
+            return bad
+    return _names_problem(o.named_parameters, optimizer)
+
+
+def _names_problem(named, optimizer) -> Optional[str]:
+    if named is None:
+        return None
+    if any(not (isinstance(np_, tuple) and len(np_) == 2 and isinstance(np_[0], str)
+                and isinstance(np_[1], torch.Tensor)) for np_ in named):
+        return ("named_parameters should be a sequence of tuples (name, parameter), usually "
+                "produced by model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        return f"parameter names in named_parameters must be unique; duplicates: {dups}"
+    ids = {id(p) for _, p in named}
+    unnamed = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
+               if id(p) not in ids]
+    if unnamed:
+        return (f"named_parameters was given but {len(unnamed)} parameter(s) of param_groups "
+                f"{sorted(set(unnamed))} are not named; pass model.named_parameters()")
+    return None
+
+
+def _schedule_problem(o: Options, params) -> Optional[str]:
+    schedule, model = o.schedule, o.model
+    if schedule is None:
+        return "model= is used by schedule='p3' only" if model is not None else None
+    if schedule not in SCHEDULES:
+        return f"schedule must be one of {SCHEDULES} (or None), got {schedule!r}"
+    if o.groups is not None:
+        return "pass either groups= or schedule=, not both"
+    if schedule == "p3":
+        if type(o.compression) is not NoneCompressor:
+            return ("schedule='p3' sends dense slices and takes no compression; use "
+                    "compression=Compression.none or a merging schedule such as 'mgwfbp'")
+        if not isinstance(o.slice_elems, int) or o.slice_elems < 1:
+            return f"slice_elems must be a positive integer, got {o.slice_elems!r}"
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                return f"model must be a torch.nn.Module, got {type(model).__name__}"
+            owned = {id(p) for p in model.parameters()}
+            if not all(id(p) in owned for p in params):
+                return "model= must own every parameter of the optimizer"
+        return None
+    if model is not None:
+        return "model= is used by schedule='p3' only"
+    if getattr(o.compression, "scope", "bucket") != "bucket":
+        return (f"schedule={schedule!r} plans the buckets, but the compressor's scope is "
+                f"{o.compression.scope!r}; create it with scope='bucket'")
+    if not isinstance(o.profile_steps, int) or o.profile_steps < 1:
+        return f"profile_steps must be a positive integer, got {o.profile_steps!r}"
+    if not isinstance(o.trial_steps, int) or o.trial_steps < 0:
+        return f"trial_steps must be an integer >= 0, got {o.trial_steps!r}"
+    return None
+
+
+def _delay_problem(o: Options) -> Optional[str]:
+    try:
+        delay = as_delay(o.delay)
+    except HvcommError as e:
+        return str(e)
+    if delay is None:
+        return None
+    problem = delay.problem(type(o.compression) is NoneCompressor)
+    if problem is None and o.schedule is not None:
+        problem = "delay= and schedule= cannot be combined; leave schedule=None"
+    if problem is None and not isinstance(o.compression, Compressor):
+        problem = "delay= needs an hvcomm compressor (Compression.*)"
+    return problem
+
+
+def agree_on_parameters(comm: MPI.Comm, spec: Sequence[tuple]) -> None:
+    """Raise on every rank if ranks hold different parameter names, shapes or dtypes."""
+    spec = list(spec)
+    digest = hashlib.sha1(repr(spec).encode()).hexdigest()
+    digests = comm.allgather(digest)
+    if len(set(digests)) == 1:
+        return
+    specs = comm.allgather(spec)
+    lines = []
+    for r, other in enumerate(specs):
+        if other != specs[0]:
+            diff = next((f"{a} vs {b}" for a, b in zip(specs[0], other) if a != b),
+                        f"{len(specs[0])} vs {len(other)} parameters")
+            lines.append(f"rank 0 vs rank {r}: {diff}")
+    raise HvcommError("DistributedOptimizer: ranks hold different models (name, shape, dtype): "
+                      + "; ".join(lines) + ". Build the same model on every rank.")

@@ -1,0 +1,81 @@
+"""The interface between DistributedOptimizer and a way of synchronising gradients.
+
+The optimizer is a thin layer: it counts backward passes, checks Horovod's guards, and hands
+each event to one strategy object chosen at construction:
+
+- :class:`hvcomm.torch.sync.Synchronous`: buckets averaged (dense or compressed) as soon as
+  their gradients are final; its groupings come from the fusion threshold, explicit groups,
+  or a :class:`hvcomm.torch.schedule.ScheduledPlans` (MG-WFBP and the baselines);
+- :class:`hvcomm.torch.p3.P3`: priority slices, per-module deferred updates;
+- :class:`hvcomm.torch.delayed.Delayed`: OD / SSD / CD-SGD around a Synchronous.
+
+Each strategy owns its state and its checkpoint entry (``state_dict()["hvcomm"]``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from collectives.errors import HvcommError
+
+from .buckets import CommStats
+
+BaseStep = Callable[[Optional[Callable[[], Any]]], Any]  # the wrapped optimizer's step()
+
+
+class Strategy:
+    """``params`` / ``names``: the optimizer's parameters (those with requires_grad) and
+    their names, in registration order; events refer to parameters by position. Each
+    strategy also has ``comm_stats`` (a :class:`CommStats` of the last completed
+    synchronisation) and ``steps`` (synchronisations so far: density warm-up, seeds)."""
+
+    comm_stats: CommStats
+    steps: int
+    plans = None  # a ScheduledPlans where the grouping is planned (schedule=)
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 base_step: BaseStep):
+        self.params: List[torch.nn.Parameter] = list(params)
+        self.names: List[str] = list(names)
+        self.base_step = base_step
+
+    @property
+    def plan(self) -> List[List[str]]:
+        """The buckets in use, as parameter names, in launch order."""
+        raise HvcommError(f"{type(self).__name__} sends no buckets")
+
+    def on_grad(self, i: int) -> None:
+        """Parameter i's gradient is final for this step (its last backward pass)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Finish this step's averaging: the averaged gradients are in ``.grad``."""
+        raise NotImplementedError
+
+    def update(self, closure=None):
+        """The optimizer update alone (after ``synchronize()``)."""
+        raise NotImplementedError
+
+    def step(self, closure=None):
+        """Synchronise and update (``optimizer.step()``)."""
+        self.synchronize()
+        return self.update(closure)
+
+    def zero_grad(self) -> None:
+        """The user zeroed the gradients (between steps)."""
+
+    def finish_pending(self) -> None:
+        """Apply every update still pending, so the model holds the synchronised weights."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restore ``state`` (None: keep hvcomm's state, only forget this step's progress)."""
+        raise NotImplementedError
+
+
+def in_flight_error() -> HvcommError:
+    return HvcommError("load_state_dict() while gradients are in flight; call synchronize() or "
+                       "step() first")

@@ -1,0 +1,128 @@
+"""Synchronous bucketed averaging: each bucket goes to the engine as soon as its gradients are
+final (in one fixed order on every rank), dense or compressed, and is waited for in
+``synchronize()``. Its grouping comes from the fusion threshold, explicit groups, or a
+planner-driven source of plans (:class:`hvcomm.torch.schedule.ScheduledPlans`)."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import timeline
+from .buckets import Bucket, CommStats, flat_grad, make_buckets, split
+from .compression import Compression, Compressor
+from .engine import Engine
+from .memory import ErrorFeedback
+from .reducer import InFlight, Reducer
+from .schedule import ScheduledPlans
+from .strategy import BaseStep, Strategy, in_flight_error
+
+Launched = List[Tuple[Bucket, InFlight]]
+
+
+class Synchronous(Strategy):
+    """``predivide``: divide each gradient before the sum (Horovod's
+    gradient_predivide_factor); ``scale``: multiply each sum after it (1/size for an average,
+    times predivide). ``dense_at(step)``: steps whose buckets go uncompressed (the delayed
+    modes' warm-up and CD-SGD's full-precision steps)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 base_step: BaseStep, engine: Engine, compression: Compressor,
+                 groups: Sequence[Sequence[int]], *, predivide: float = 1.0,
+                 scale: float = 1.0, plans: Optional[ScheduledPlans] = None,
+                 dense_at: Callable[[int], bool] = lambda step: False):
+        super().__init__(params, names, base_step)
+        self.memory = ErrorFeedback()
+        self.comm_stats, self.steps = CommStats(), 0
+        self._reducer = Reducer(engine, compression, self.memory)
+        self._dense_reducer = Reducer(engine, Compression.none, self.memory)
+        self.predivide, self.scale = predivide, scale
+        self.plans, self.dense_at = plans, dense_at
+        self.comm_end = 0.0  # when the last collective of the last synchronize() ended
+        self.buckets: List[Bucket] = []
+        self.set_groups(groups)
+
+    def set_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """Install a grouping (positions into ``params``, in launch order); error-feedback
+        residuals are kept per parameter, so nothing is lost."""
+        assert all(b.pending is None for b in self.buckets), "regrouping while in flight"
+        self.buckets = make_buckets(groups, self.params, self.names)
+        self._bucket_of = {i: b for b in self.buckets for i in b.indices}
+        self._next_launch = 0
+
+    @property
+    def plan(self) -> List[List[str]]:
+        """The grouping in use, as parameter names per bucket, in launch order."""
+        return [list(b.names) for b in self.buckets]
+
+    # -- during backward ---------------------------------------------------------------------
+    def on_grad(self, i: int) -> None:
+        if self.plans is not None:
+            self.plans.grad_ready(i)
+        self._bucket_of[i].ready += 1
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        with timeline.measure("compress+launch", bucket=bucket.key[:80]):
+            flat = flat_grad([self.params[i] for i in bucket.indices], self.predivide)
+            reducer = self._dense_reducer if self.dense_at(self.steps) else self._reducer
+            bucket.pending = reducer.start(bucket, flat, self.steps)
+
+    def take_launched(self) -> Launched:
+        """Launch, in order, what the hooks did not (unused parameters: zeros) and hand over
+        this step's collectives in flight; the buckets are free for the next step."""
+        for bucket in self.buckets[self._next_launch:]:
+            self._launch(bucket)
+        launched = [(b, b.pending) for b in self.buckets]
+        for b in self.buckets:
+            b.pending, b.ready = None, 0
+        self._next_launch = 0
+        return launched
+
+    def collect(self, launched: Launched) -> List[Tuple[int, torch.Tensor]]:
+        """Wait for ``launched``; (parameter position, its averaged gradient) for each one.
+        Sets ``comm_stats`` and ``comm_end``."""
+        stats, out, comm_end = CommStats(), [], 0.0
+        for bucket, job in launched:
+            flat, sent, payload_bytes = job.finish()
+            comm_end = max(comm_end, job.handle.finished_at)
+            stats.add(sent, payload_bytes)
+            for j, part in split(flat, bucket.numels):
+                i = bucket.indices[j]
+                part = part.view_as(self.params[i])
+                out.append((i, part * self.scale if self.scale != 1.0 else part))
+        self.comm_stats, self.comm_end = stats, comm_end
+        return out
+
+    # -- Horovod's synchronize / step --------------------------------------------------------
+    def synchronize(self) -> None:
+        launched = self.take_launched()
+        with timeline.measure("wait"):
+            for i, g in self.collect(launched):
+                self.params[i].grad.copy_(g)
+        self.steps += 1
+
+    def update(self, closure=None):
+        with timeline.measure("update"):
+            loss = self.base_step(closure)
+        if self.plans is not None:
+            groups = self.plans.after_step(self.comm_end)
+            if groups is not None:
+                self.set_groups(groups)
+        return loss
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self):
+        return {"step": self.steps, "residuals_by_param": self.memory.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        if any(b.pending is not None for b in self.buckets):
+            raise in_flight_error()
+        if state is not None:
+            self.steps = state["step"]
+            self.memory.load_state_dict(state["residuals_by_param"])
+        for b in self.buckets:
+            b.ready = 0
+        self._next_launch = 0

@@ -1,0 +1,164 @@
+"""Property test: every public collective of hvcomm.torch (and the float16 ring of collectives/)
+against a serial reference, over shapes of 0-4 dimensions (empty and non-contiguous included),
+every dtype, every op, prescale/postscale and compression.
+
+Every rank draws the same examples (hypothesis, derandomized) and builds every rank's input
+from a seed, so each rank computes the reference itself. Each example's verdict is combined
+over the ranks before anything is raised, so all ranks fail, and shrink, together."""
+import sys
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+
+import hvcomm.torch as hvd  # noqa: E402
+from collectives import iring_allreduce  # noqa: E402
+from collectives.errors import HvcommError  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+          torch.int32, torch.int64, torch.bool]
+REDUCIBLE = [d for d in DTYPES if d is not torch.bool]
+OPS = [hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product]
+WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # Horovod's scaling math
+TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def make_input(seed, rank, shape, dtype, op):
+    """Rank ``rank``'s input: small integers (exact sums in any order); >= 0 for unsigned,
+    in [-2, 2] under Product (no overflow)."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    lo, hi = (0, 6) if dtype in (torch.uint8, torch.bool) else (-2, 3) if op == hvd.Product \
+        else (-9, 10)
+    x = torch.randint(lo, hi, shape, generator=g)
+    return x.bool() if dtype is torch.bool else x.to(dtype)
+
+
+def laid_out(x, contiguous):
+    """``x`` itself, or a non-contiguous tensor equal to it (a strided view of a larger one)."""
+    if contiguous or x.dim() == 0:
+        return x.clone()
+    big = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    big[..., ::2] = x
+    view = big[..., ::2]
+    assert not view.is_contiguous() or x.numel() <= 1
+    return view
+
+
+def scaled(t, factor):
+    """Horovod's scaling: integers in float64, float16/bfloat16 in float32, cast back."""
+    if factor == 1.0:
+        return t
+    if t.dtype in (torch.float32, torch.float64):
+        return t * factor
+    return (t.to(WIDE.get(t.dtype, torch.float64)) * factor).to(t.dtype)
+
+
+def reference_allreduce(xs, op, prescale, postscale, fp16):
+    dtype = xs[0].dtype
+    if fp16 and dtype.is_floating_point:
+        xs = [x.to(torch.float16) for x in xs]
+    xs = [scaled(x, prescale) for x in xs]
+    stacked = torch.stack([x.double() for x in xs])
+    total = {hvd.Sum: stacked.sum(0), hvd.Average: stacked.sum(0), hvd.Min: stacked.min(0)[0],
+             hvd.Max: stacked.max(0)[0], hvd.Product: stacked.prod(0)}[op].to(xs[0].dtype)
+    out = scaled(total, postscale / len(xs) if op == hvd.Average else postscale)
+    return out.to(dtype)
+
+
+def differs(got, want):
+    """None if equal (exactly for integers and bool, within the dtype's tolerance else)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}"
+    if want.dtype in TOL:
+        tol = TOL[want.dtype]
+        ok = torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+    else:
+        ok = torch.equal(got, want)
+    return None if ok else f"values differ:\n{got}\nexpected\n{want}"
+
+
+cases = st.fixed_dictionaries({
+    "kind": st.sampled_from(["allreduce", "allreduce_", "allgather", "broadcast", "broadcast_",
+                             "ring"]),
+    "dtype": st.sampled_from(DTYPES),
+    "shape": st.lists(st.integers(0, 3), min_size=0, max_size=4).map(tuple),
+    "contiguous": st.booleans(),
+    "op": st.sampled_from(OPS),
+    "prescale": st.sampled_from([1.0, 0.5, 3.0]),
+    "postscale": st.sampled_from([1.0, 0.25, 2.0]),
+    "fp16": st.booleans(),
+    "root": st.integers(0, 7),
+    "seed": st.integers(0, 2 ** 20),
+})
+
+
+def run_case(c):
+    """This rank's problem with the case, or None."""
+    n, r = hvd.size(), hvd.rank()
+    kind, dtype, shape, op = c["kind"], c["dtype"], c["shape"], c["op"]
+    if kind == "ring":  # collectives/: the float16 ring, any shape, NumPy in place
+        xs = [make_input(c["seed"], q, shape, torch.float16, hvd.Sum) for q in range(n)]
+        buf = xs[r].numpy().copy()
+        got = torch.from_numpy(iring_allreduce(MPI.COMM_WORLD, buf).wait())
+        return differs(got, torch.stack([x.double() for x in xs]).sum(0).half())
+    if kind == "allgather":  # the first dimension differs between ranks
+        shape = (shape[0] + 1 if shape else 1,) + shape[1:]
+        xs = [make_input(c["seed"], q, (shape[0] + q,) + shape[1:], dtype, op) for q in range(n)]
+        return differs(hvd.allgather(laid_out(xs[r], c["contiguous"])), torch.cat(xs))
+    xs = [make_input(c["seed"], q, shape, dtype, op) for q in range(n)]
+    mine = laid_out(xs[r], c["contiguous"])
+    if kind.startswith("broadcast"):
+        root = c["root"] % n
+        out = hvd.broadcast_(mine, root) if kind == "broadcast_" else hvd.broadcast(mine, root)
+        bad = differs(out, xs[root])
+        if kind == "broadcast_":
+            bad = bad or (None if out is mine else "broadcast_ did not return its input")
+        return bad
+    kw = dict(op=op, prescale_factor=c["prescale"], postscale_factor=c["postscale"])
+    if dtype not in REDUCIBLE:
+        try:
+            hvd.allreduce(mine, **kw)
+        except HvcommError as e:
+            return None if "cannot be reduced" in str(e) else f"unclear error: {e}"
+        return f"allreduce of {dtype} did not raise"
+    if kind == "allreduce_":
+        out = hvd.allreduce_(mine, **kw)
+        fp16 = False
+        if out is not mine:
+            return "allreduce_ did not return its input"
+    else:
+        fp16 = c["fp16"]
+        comp = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+        out = hvd.allreduce(mine, compression=comp, **kw)
+        if not torch.equal(mine, xs[r]):
+            return "allreduce changed its input"
+    return differs(out, reference_allreduce(xs, op, c["prescale"], c["postscale"], fp16))
+
+
+@settings(max_examples=120, derandomize=True, database=None, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(cases)
+def check_against_reference(case):
+    try:
+        problem = run_case(case)
+    except Exception as e:  # noqa: BLE001 - an exception is this rank's verdict too
+        problem = f"{type(e).__name__}: {e}"
+    verdicts = MPI.COMM_WORLD.allgather(problem)
+    bad = [(q, v) for q, v in enumerate(verdicts) if v is not None]
+    assert not bad, f"{case}: " + "; ".join(f"rank {q}: {v}" for q, v in bad)
+
+
+def main():
+    hvd.init()
+    checks = Checks()
+    checks.run("collectives match their serial reference", check_against_reference)
+    checks.finish()
+
+
+if __name__ == "__main__":
+    main()
