@@ -4,8 +4,10 @@ from __future__ import annotations
 from typing import Any, Hashable, Optional, Sequence
 
 
-class HvcommError(ValueError):
-    """Bad input or a disagreement between ranks; the message says what to do."""
+class HvcommError(RuntimeError, ValueError):
+    """Bad input or a disagreement between ranks; the message says what to do. A
+    RuntimeError, as Horovod's HorovodInternalError is (scripts catch that), and a
+    ValueError, as Horovod raises for bad arguments."""
 
 
 def raise_together(comm, local_error: Optional[str], what: str) -> None:

@@ -56,13 +56,13 @@ class Engine:
             item = self._jobs.get()
             if item is None:
                 return
-            job, handle, name = item
+            job, handle, name, comm = item
             try:
                 if name is None:
-                    handle._finish(job(self.comm))
+                    handle._finish(job(comm))
                 else:
                     with timeline.measure(name, "comm"):
-                        handle._finish(job(self.comm))
+                        handle._finish(job(comm))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 handle._finish(error=e)
 
@@ -81,12 +81,14 @@ class Engine:
                               "(after backward, before step()); this collective would wait for "
                               "it forever. Call it after optimizer.step()")
 
-    def submit(self, job: Callable[[Any], Any], name: Optional[str] = None) -> Handle:
-        """Queue ``job``; ``name`` labels its span on the timeline, when one is active."""
+    def submit(self, job: Callable[[Any], Any], name: Optional[str] = None,
+               comm: Any = None) -> Handle:
+        """Queue ``job(comm)``; ``comm`` defaults to the engine's communicator (a process
+        set's is derived from it); ``name`` labels its span on the timeline."""
         if not self._thread.is_alive():
             raise RuntimeError("hvcomm engine is shut down; call hvcomm.torch.init() first")
         handle = Handle()
-        self._jobs.put((job, handle, name))
+        self._jobs.put((job, handle, name, self.comm if comm is None else comm))
         return handle
 
     def close(self) -> None:

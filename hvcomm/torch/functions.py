@@ -5,7 +5,8 @@ from typing import Any, Iterable, Mapping, Tuple, Union
 
 import torch
 
-from .ops import broadcast_async_, broadcast_object, synchronize
+from .gather_ops import broadcast_async_, broadcast_object
+from .ops import synchronize
 from .runtime import rank
 
 

@@ -1,26 +1,27 @@
 """Tensor and object collectives with Horovod's names, run in order by the engine."""
 from __future__ import annotations
 
-import hashlib
 import itertools
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from collectives.dense import iring_allreduce
-from collectives.errors import HvcommError, check_agree
+from collectives.errors import HvcommError
 
-from .compression import Compression
 from .engine import Handle
+from .negotiation import join_loop, negotiate
+from .process_sets import comm_of, global_process_set
 from .runtime import runtime
 
 Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
 _MPI_OPS = {Average: MPI.SUM, Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 
-_handles: Dict[int, Tuple[Handle, Callable[[Any], Any]]] = {}
+_handles: Dict[int, Tuple[Handle, Callable[[Any], Any], Optional[str]]] = {}
 _next_handle = itertools.count(1)
+_names_in_flight: set = set()
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -31,7 +32,7 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
-def _as_bits(tensor: torch.Tensor) -> np.ndarray:
+def as_bits(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view for collectives that only move data: bfloat16 as its raw 16 bits."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
@@ -40,21 +41,6 @@ def _as_bits(tensor: torch.Tensor) -> np.ndarray:
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
-
-
-def _signature_hash(sig: tuple) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=7).digest(), "little")
-
-
-def check_signature(comm: MPI.Comm, sig: tuple, what: str) -> None:
-    """Raise on every rank unless all ranks submit the same (kind, name, shape, dtype, op)."""
-    h = _signature_hash(sig)
-    both = np.array([h, -h], np.int64)
-    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
-    if both[0] != -both[1]:
-        raise HvcommError(f"{what}: ranks submitted different collectives (this rank: {sig}); "
-                          "every rank must call hvcomm collectives in the same order with "
-                          "tensors of the same shape and dtype")
 
 
 def sum_in_place(comm: MPI.Comm, buf: np.ndarray) -> None:
@@ -66,9 +52,25 @@ def sum_in_place(comm: MPI.Comm, buf: np.ndarray) -> None:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
-def _register(handle: Handle, finish: Callable[[Any], Any]) -> int:
+def check_name(kind: str, name: Optional[str]) -> Optional[str]:
+    """Horovod's rule: no two operations in flight with the same name (a ValueError)."""
+    if name is not None and (kind, name) in _names_in_flight:
+        raise HvcommError(f"{kind}: an operation named {name!r} is still in flight; "
+                          "synchronize it first or give this one another name")
+    return name
+
+
+def submit(kind: str, name: Optional[str], job: Callable[[MPI.Comm], Any],
+           finish: Callable[[Any], Any], process_set=None) -> int:
+    """Queue ``job`` on the engine (on the process set's communicator); returns the handle
+    whose synchronize() gives ``finish(job's result)``."""
+    check_name(kind, name)
+    comm = comm_of(process_set)
     hid = next(_next_handle)
-    _handles[hid] = (handle, finish)
+    _handles[hid] = (runtime().engine.submit(job, comm=comm), finish,
+                     None if name is None else (kind, name))
+    if name is not None:
+        _names_in_flight.add((kind, name))
     return hid
 
 
@@ -79,10 +81,11 @@ def poll(handle: int) -> bool:
 
 def synchronize(handle: int) -> Any:
     """Wait for ``handle`` and return its output tensor."""
-    job, finish = _lookup(handle)
+    job, finish, name = _lookup(handle)
     if not job.done():
         runtime().engine.check_can_wait("synchronize")
     del _handles[handle]
+    _names_in_flight.discard(name)
     return finish(job.wait())
 
 
@@ -96,9 +99,7 @@ def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
     if average is not None and op is not None:
         raise ValueError("pass either average (deprecated) or op, not both")
     op = op if op is not None else (Sum if average is False else Average)
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not implemented by hvcomm; use Average or Sum")
-    if op not in _MPI_OPS:
+    if op not in _MPI_OPS and op != Adasum:
         raise ValueError(f"unknown op {op!r}; use hvcomm.torch.Average, Sum, Min, Max or Product")
     return op
 
@@ -133,22 +134,55 @@ def _reduce_in_place(comm: MPI.Comm, tensor: torch.Tensor, op: str) -> None:
         tensor.copy_(buf)
 
 
+def _adasum(comm: MPI.Comm, tensor: torch.Tensor) -> None:
+    """Horovod's adaptive summation, in place: pairs of ranks' tensors are combined as
+    a' = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, up a binary tree over the ranks (any P;
+    a rank without a partner goes up unchanged), computed in float64 on every rank alike."""
+    if not tensor.dtype.is_floating_point:
+        raise HvcommError(f"Adasum needs floating-point tensors, got {tensor.dtype}")
+    level = [torch.from_numpy(x) for x in comm.allgather(tensor.double().numpy())]
+    while len(level) > 1:
+        nxt = []
+        for i in range(0, len(level) - 1, 2):
+            a, b = level[i].reshape(-1), level[i + 1].reshape(-1)
+            dot, aa, bb = a @ b, a @ a, b @ b
+            ca = 1 - dot / (2 * aa) if aa > 0 else 1.0
+            cb = 1 - dot / (2 * bb) if bb > 0 else 1.0
+            nxt.append((ca * a + cb * b).reshape(level[i].shape))
+        level = nxt + level[len(level) - len(level) % 2:]
+    tensor.copy_(level[0])
+
+
+def _zeros_for(sig: tuple) -> torch.Tensor:
+    """A joined rank's contribution to the allreduce ``sig``."""
+    _kind, _name, shape, dtype, _op = sig
+    return torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
+
+
+def _contribute_zeros(comm: MPI.Comm, sig: tuple) -> None:
+    _reduce_in_place(comm, _zeros_for(sig), sig[4])
+
+
 def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: torch.Tensor,
-                    name, op, prescale, postscale):
+                    name, op, prescale, postscale, process_set=None) -> int:
     """Reduce host buffer ``out`` in place, copy it into ``target`` (if any), give ``result``.
     Horovod's order: ``prescale`` each rank's tensor, reduce, then scale the result by
-    ``postscale`` (divided by the size for an average)."""
+    ``postscale`` (divided by the size for an average). Ranks that have joined contribute
+    zeros (the average still divides by the size)."""
     sig = ("allreduce", name, tuple(out.shape), str(out.dtype), op)
     what = f"allreduce {name or ''}".strip()
 
     def job(comm):
-        check_signature(comm, sig, what)
+        negotiate(comm, sig, what, joinable=op != Adasum)
         if out.dtype not in _REDUCIBLE:  # the same dtype on every rank: all raise together
             raise HvcommError(f"{what}: {out.dtype} tensors cannot be reduced; allreduce "
                               f"takes {', '.join(str(d) for d in _REDUCIBLE)} (allgather and "
                               "broadcast take any dtype)")
         scale_(out, prescale)
-        _reduce_in_place(comm, out, op)
+        if op == Adasum:
+            _adasum(comm, out)
+        else:
+            _reduce_in_place(comm, out, op)
         scale_(out, postscale / comm.Get_size() if op == Average else postscale)
 
     def finish(_):
@@ -156,130 +190,85 @@ def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: t
             target.copy_(out)
         return result
 
-    return _register(runtime().engine.submit(job), finish)
+    return submit("allreduce", name, job, finish, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=None) -> int:
+                     postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start an in-place allreduce of ``tensor``; returns a handle for synchronize()."""
     op = _resolve_op(average, op)
     if tensor.device.type == "cpu" and tensor.is_contiguous():
         return _allreduce_into(tensor.data, None, tensor, name, op, prescale_factor,
-                               postscale_factor)
+                               postscale_factor, process_set)
     return _allreduce_into(_host_copy(tensor), tensor.data, tensor, name, op, prescale_factor,
-                           postscale_factor)
+                           postscale_factor, process_set)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=None) -> int:
+                    postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start an allreduce into a new tensor; returns a handle for synchronize()."""
     op = _resolve_op(average, op)
     out = _host_copy(tensor)
-    if tensor.device.type == "cpu":
-        return _allreduce_into(out, None, out, name, op, prescale_factor, postscale_factor)
-    result = torch.empty_like(tensor)
-    return _allreduce_into(out, result, result, name, op, prescale_factor, postscale_factor)
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks (default: average) and return the result."""
-    compressed, ctx = compression.compress(tensor)
-    out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor,
-                                      postscale_factor))
-    return compression.decompress(out, ctx)
+    result = out if tensor.device.type == "cpu" else torch.empty_like(tensor)
+    return _allreduce_into(out, None if result is out else result, result, name, op,
+                           prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=None) -> torch.Tensor:
+               postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place and return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor))
+                                        postscale_factor, process_set))
 
 
-def allgather_async(tensor, name=None, process_set=None) -> int:
-    """Start gathering ``tensor`` from every rank, concatenated along dimension 0."""
-    src = _host_copy(tensor if tensor.dim() else tensor.reshape(1))
-    sig = (tuple(src.shape[1:]), str(src.dtype))
-
-    def job(comm):
-        rows = comm.allgather((src.shape[0], sig))
-        if any(s != sig for _, s in rows):
-            raise HvcommError(f"allgather {name or ''}: tensors differ beyond dimension 0 or in "
-                              f"dtype across ranks: {[s for _, s in rows]}")
-        per_row = int(np.prod(src.shape[1:], dtype=np.int64))
-        counts = [n * per_row for n, _ in rows]
-        out = torch.empty((sum(n for n, _ in rows), *src.shape[1:]), dtype=src.dtype)
-        comm.Allgatherv(_as_bits(src).ravel(), (_as_bits(out).ravel(), counts))
-        return out
-
-    return _register(runtime().engine.submit(job), lambda out: out.to(tensor.device))
+def _group_names(name: Optional[str], n: int) -> List[Optional[str]]:
+    return [None if name is None else f"{name}.{i}" for i in range(n)]
 
 
-def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
-    return synchronize(allgather_async(tensor, name))
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Start allreducing a list of tensors together; synchronize() returns the list."""
+    handles = [allreduce_async(t, average, n, op, prescale_factor, postscale_factor,
+                               process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    return _group_handle(handles)
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
-    """Start an in-place broadcast of ``tensor`` from ``root_rank``."""
-    in_place = tensor.device.type == "cpu" and tensor.is_contiguous()
-    host = tensor.data if in_place else _host_copy(tensor)
-    buf = _as_bits(host)
-    sig = ("broadcast", name, tuple(host.shape), str(host.dtype), int(root_rank))
-
-    def job(comm):
-        if not 0 <= root_rank < comm.Get_size():
-            raise HvcommError(f"broadcast: root_rank {root_rank} outside [0, {comm.Get_size()})")
-        check_signature(comm, sig, f"broadcast {name or ''}".strip())
-        comm.Bcast(buf, root=root_rank)
-
-    def finish(_):
-        if not in_place:
-            tensor.data.copy_(host)
-        return tensor
-
-    return _register(runtime().engine.submit(job), finish)
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> int:
+    handles = [allreduce_async_(t, average, n, op, prescale_factor, postscale_factor,
+                                process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    return _group_handle(handles)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
-    return broadcast_async_(tensor.detach().clone(), root_rank, name)
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set) -> list:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+def _group_handle(handles: List[int], finish: Callable[[list], Any] = list) -> int:
+    """One handle for several: synchronize() returns ``finish(list of their results)``."""
+    hid = next(_next_handle)
+    _handles[hid] = (_GroupWait(handles), finish, None)
+    return hid
 
 
-def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
-    return synchronize(broadcast_async(tensor, root_rank, name))
+class _GroupWait:
+    def __init__(self, handles: List[int]):
+        self.handles = handles
 
+    def done(self) -> bool:
+        return all(poll(h) for h in self.handles)
 
-def _object_job(fn: Callable[[MPI.Comm], Any]) -> Any:
-    engine = runtime().engine
-    engine.check_can_wait("object collective")
-    return engine.submit(fn).wait()
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_set=None) -> Any:
-    """Pickle ``obj`` on root_rank and return it on every rank."""
-    return _object_job(lambda comm: comm.bcast(obj, root=root_rank))
-
-
-def allgather_object(obj: Any, name=None, process_set=None) -> list:
-    """Return the list of every rank's ``obj``, in rank order."""
-    return _object_job(lambda comm: comm.allgather(obj))
-
-
-def barrier(process_set=None) -> None:
-    """Wait until every rank arrives (after every collective submitted before it)."""
-    _object_job(lambda comm: comm.Barrier())
+    def wait(self) -> list:
+        return [synchronize(h) for h in self.handles]
 
 
 def join(device=-1) -> int:
-    """Horovod's join for uneven data is not supported: each rank must run the same steps."""
-    raise NotImplementedError("hvcomm does not implement join(); give every rank the same number "
-                              "of batches (e.g. drop_last=True in the DistributedSampler)")
-
-
-def agree(what: str, key: Any, local_error: Optional[str] = None) -> None:
-    """Collective check (raises on every rank) that all ranks pass equal keys."""
-    check_agree(runtime().comm, key, what, local_error)
+    """Horovod's join: this rank has no more data. Until every rank has joined, it takes part
+    in the others' allreduces with zeros (other collectives raise on every rank meanwhile).
+    Returns the last rank to join, the same on every rank."""
+    engine = runtime().engine
+    engine.check_can_wait("join")
+    return engine.submit(lambda comm: join_loop(comm, lambda sig: _contribute_zeros(comm, sig))
+                         ).wait()

@@ -6,7 +6,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 from mpi4py import MPI
 
@@ -27,6 +27,13 @@ class Runtime:
 
 _runtime: Optional[Runtime] = None
 _previous_excepthook = None
+_shutdown_hooks: List[Callable[[], None]] = []
+
+
+def at_shutdown(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn`` when hvcomm shuts down (state tied to the communicators: process sets)."""
+    _shutdown_hooks.append(fn)
+    return fn
 
 
 def _horovod_initialized() -> bool:
@@ -92,6 +99,8 @@ def shutdown() -> None:
         return
     rt = _runtime
     rt.engine.close()
+    for fn in _shutdown_hooks:
+        fn()
     timeline.stop_timeline()
     _runtime = None
     if not MPI.Is_finalized():
@@ -145,3 +154,23 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     ``file_path`` (``stem.rank<R>.json`` when several ranks run); see
     :mod:`hvcomm.torch.timeline`."""
     timeline.start(file_path, rank(), size())
+
+
+# -- Horovod's build queries: hvcomm runs on MPI (mpi4py), on the CPU ----------------------------
+def mpi_built() -> bool:
+    return True
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_threads_supported() -> bool:
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def gloo_built() -> bool:
+    return False
+
+
+gloo_enabled = nccl_built = ddl_built = ccl_built = cuda_built = rocm_built = gloo_built
