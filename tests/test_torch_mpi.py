@@ -77,3 +77,8 @@ def test_delayed_synchronisation(n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_collectives_match_serial_reference(n):
     mpirun(n, "check_collectives_property.py", timeout=180)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_horovod_api_beyond_the_core(n):
+    mpirun(n, "check_horovod_api.py", timeout=180)

@@ -11,7 +11,7 @@ from mpi4py import MPI
 from collectives.errors import HvcommError
 
 from .negotiation import negotiate
-from .ops import (Average, Adasum, Sum, _group_handle, _group_names, _host_copy,
+from .ops import (Average, Adasum, Sum, _group_handle, check_reducible, _group_names, _host_copy,
                   _reduce_in_place, _resolve_op, as_bits, scale_, submit, synchronize)
 from .process_sets import comm_of, global_process_set
 from .runtime import runtime
@@ -145,6 +145,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
     def job(comm):
         negotiate(comm, sig, what)
+        check_reducible(what, out.dtype)
         size, rows = comm.Get_size(), out.shape[0]
         scale_(out, prescale_factor)
         _reduce_in_place(comm, out, op)

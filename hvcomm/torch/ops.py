@@ -108,6 +108,14 @@ _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch
               torch.int8, torch.int16, torch.int32, torch.int64)
 
 
+def check_reducible(what: str, dtype: torch.dtype) -> None:
+    """Called after the negotiation, so every rank (same dtype) raises together."""
+    if dtype not in _REDUCIBLE:
+        raise HvcommError(f"{what}: {dtype} tensors cannot be reduced; reductions take "
+                          f"{', '.join(str(d) for d in _REDUCIBLE)} (allgather and broadcast "
+                          "take any dtype)")
+
+
 def scale_(tensor: torch.Tensor, factor: float) -> None:
     """Multiply in place as Horovod scales: integers in float64 and float16/bfloat16 in
     float32, the product cast back to the tensor's dtype (integers truncated towards zero)."""
@@ -174,10 +182,7 @@ def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: t
 
     def job(comm):
         negotiate(comm, sig, what, joinable=op != Adasum)
-        if out.dtype not in _REDUCIBLE:  # the same dtype on every rank: all raise together
-            raise HvcommError(f"{what}: {out.dtype} tensors cannot be reduced; allreduce "
-                              f"takes {', '.join(str(d) for d in _REDUCIBLE)} (allgather and "
-                              "broadcast take any dtype)")
+        check_reducible(what, out.dtype)
         scale_(out, prescale)
         if op == Adasum:
             _adasum(comm, out)

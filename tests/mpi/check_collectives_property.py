@@ -70,6 +70,16 @@ def reference_allreduce(xs, op, prescale, postscale, fp16):
     return out.to(dtype)
 
 
+def expect_error(call):
+    """An unsupported combination: a clear HvcommError (raised on every rank alike)."""
+    try:
+        call()
+    except HvcommError as e:
+        return None if "cannot be reduced" in str(e) or "at least one dimension" in str(e) \
+            else f"unclear error: {e}"
+    return "no error for an unsupported combination"
+
+
 def differs(got, want):
     """None if equal (exactly for integers and bool, within the dtype's tolerance else)."""
     if got.shape != want.shape or got.dtype != want.dtype:
@@ -83,8 +93,8 @@ def differs(got, want):
 
 
 cases = st.fixed_dictionaries({
-    "kind": st.sampled_from(["allreduce", "allreduce_", "allgather", "broadcast", "broadcast_",
-                             "ring"]),
+    "kind": st.sampled_from(["allreduce", "allreduce_", "grouped_allreduce", "allgather",
+                             "broadcast", "broadcast_", "alltoall", "reducescatter", "ring"]),
     "dtype": st.sampled_from(DTYPES),
     "shape": st.lists(st.integers(0, 3), min_size=0, max_size=4).map(tuple),
     "contiguous": st.booleans(),
@@ -110,8 +120,24 @@ def run_case(c):
         shape = (shape[0] + 1 if shape else 1,) + shape[1:]
         xs = [make_input(c["seed"], q, (shape[0] + q,) + shape[1:], dtype, op) for q in range(n)]
         return differs(hvd.allgather(laid_out(xs[r], c["contiguous"])), torch.cat(xs))
+    if kind == "alltoall":  # rank q sends (q + i) % 3 rows to rank i
+        rows = [[(q + i) % 3 for i in range(n)] for q in range(n)]
+        xs = [make_input(c["seed"], q, (sum(rows[q]),) + shape[1:], dtype, op) for q in range(n)]
+        got, received = hvd.alltoall(laid_out(xs[r], c["contiguous"]), splits=rows[r])
+        parts = [torch.split(x, rw)[r] for x, rw in zip(xs, rows)]
+        return differs(got, torch.cat(parts)) or (
+            None if received.tolist() == [rows[q][r] for q in range(n)] else "received splits")
     xs = [make_input(c["seed"], q, shape, dtype, op) for q in range(n)]
     mine = laid_out(xs[r], c["contiguous"])
+    if kind == "reducescatter":
+        if dtype not in REDUCIBLE or not shape:
+            return expect_error(lambda: hvd.reducescatter(mine, op=hvd.Sum))
+        rs_op = hvd.Sum if op in (hvd.Min, hvd.Max, hvd.Product) else op
+        want = reference_allreduce(xs, rs_op, c["prescale"], c["postscale"], False)
+        counts = [shape[0] // n + (q < shape[0] % n) for q in range(n)]
+        got = hvd.reducescatter(mine, op=rs_op, prescale_factor=c["prescale"],
+                                postscale_factor=c["postscale"])
+        return differs(got, torch.split(want, counts)[r])
     if kind.startswith("broadcast"):
         root = c["root"] % n
         out = hvd.broadcast_(mine, root) if kind == "broadcast_" else hvd.broadcast(mine, root)
@@ -121,11 +147,13 @@ def run_case(c):
         return bad
     kw = dict(op=op, prescale_factor=c["prescale"], postscale_factor=c["postscale"])
     if dtype not in REDUCIBLE:
-        try:
-            hvd.allreduce(mine, **kw)
-        except HvcommError as e:
-            return None if "cannot be reduced" in str(e) else f"unclear error: {e}"
-        return f"allreduce of {dtype} did not raise"
+        return expect_error(lambda: hvd.allreduce(mine, **kw))
+    want = reference_allreduce(xs, op, c["prescale"], c["postscale"], False)
+    if kind == "grouped_allreduce":  # with a second, differently shaped tensor
+        other = [x.reshape(-1)[:1].clone() for x in xs]
+        got = hvd.grouped_allreduce([mine, other[r]], **kw)
+        return differs(got[0], want) or differs(
+            got[1], reference_allreduce(other, op, c["prescale"], c["postscale"], False))
     if kind == "allreduce_":
         out = hvd.allreduce_(mine, **kw)
         fp16 = False

@@ -1,0 +1,135 @@
+"""The rest of Horovod's API, in hvcomm's own words: process sets, autograd through the
+collectives, join, duplicate names, Adasum, sparse allreduce, the error type, build queries."""
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+
+import hvcomm.torch as hvd  # noqa: E402
+
+
+def raises(call, text, exc=hvd.HorovodInternalError):
+    try:
+        call()
+    except exc as e:
+        assert text in str(e), f"{text!r} not in {e}"
+        return
+    raise AssertionError(f"no {exc.__name__} mentioning {text!r}")
+
+
+def check_process_sets():
+    r, n = hvd.rank(), hvd.size()
+    evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
+    odds = hvd.add_process_set([q for q in range(n) if q % 2 == 1]) if n > 1 else None
+    mine, other = (evens, odds) if r % 2 == 0 else (odds, evens)
+    got = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=mine)
+    assert got.item() == sum(q for q in mine.ranks), (got, mine)
+    assert hvd.allgather(torch.tensor([r]), process_set=mine).tolist() == mine.ranks
+    if other is not None:
+        raises(lambda: hvd.allreduce(torch.ones(1), process_set=other), "not in process set")
+    raises(lambda: hvd.add_process_set([0, 0]), "distinct ranks")
+    assert hvd.remove_process_set(evens) and (odds is None or hvd.remove_process_set(odds))
+    assert not hvd.remove_process_set(evens)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # the world still works
+
+
+def check_autograd():
+    r, n = hvd.rank(), hvd.size()
+    x = torch.ones(3, 2, requires_grad=True)
+    hvd.allreduce(x, op=hvd.Sum).backward(torch.ones(3, 2))
+    assert torch.equal(x.grad, torch.full((3, 2), float(n)))
+    x = torch.ones(r + 1, 2, requires_grad=True)  # ranks gather different numbers of rows
+    g = hvd.allgather(x)
+    rows = torch.cat([torch.full((q + 1, 2), float(q)) for q in range(n)])
+    g.backward(rows)
+    assert torch.equal(x.grad, torch.full((r + 1, 2), float(r)))
+    x = torch.ones(4, requires_grad=True)
+    hvd.broadcast(x, 0).backward(torch.ones(4))
+    assert torch.equal(x.grad, torch.ones(4) * (1.0 if r == 0 else 0.0))
+    x = torch.ones(2 * n, requires_grad=True)
+    out, received = hvd.alltoall(x, torch.full((n,), 2, dtype=torch.int32))
+    out.backward(torch.ones_like(out))
+    assert received.tolist() == [2] * n and torch.equal(x.grad, torch.ones(2 * n))
+    x = torch.ones(2 * n, 3, requires_grad=True)
+    hvd.reducescatter(x, op=hvd.Sum).backward(torch.ones(2, 3))
+    assert torch.equal(x.grad, torch.full((2 * n, 3), float(n)))
+
+
+def check_join():
+    r, n = hvd.rank(), hvd.size()
+    for first in range(n):
+        t = torch.arange(6, dtype=torch.int64).reshape(2, 3) * 10 - 7
+        if r == first:
+            last = hvd.join()
+        else:
+            avg = hvd.allreduce(t, op=hvd.Average)
+            # the joined rank contributed zeros; integers are truncated, as in Horovod
+            assert torch.equal(avg, torch.div(t * (n - 1), n, rounding_mode="trunc")), avg
+            if n > 1:
+                raises(lambda: hvd.allgather(t), "join()")
+            last = hvd.join()
+        assert hvd.allgather_object(last) == [last] * n
+        assert n == 1 or last != first
+
+
+def check_duplicate_names():
+    h = hvd.allreduce_async(torch.ones(2), name="same")
+    raises(lambda: hvd.allreduce_async(torch.ones(2), name="same"), "still in flight",
+           ValueError)
+    hvd.synchronize(h)
+    hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="same"))  # free again
+
+
+def check_adasum():
+    r, n = hvd.rank(), hvd.size()
+    vecs = [torch.tensor([1.0 + q, 2.0 * q - 1, 0.5], dtype=torch.float64) for q in range(n)]
+    level = list(vecs)
+    while len(level) > 1:  # the same tree, written out serially
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            d = a @ b
+            nxt.append((1 - d / (2 * (a @ a))) * a + (1 - d / (2 * (b @ b))) * b)
+        level = nxt + ([level[-1]] if len(level) % 2 else [])
+    got = hvd.allreduce(vecs[r], op=hvd.Adasum)
+    assert torch.allclose(got, level[0], atol=1e-12), (got, level[0])
+    if n == 2:  # orthogonal vectors add; equal vectors stay (Adasum's defining cases)
+        e = torch.eye(2, dtype=torch.float64)
+        assert torch.allclose(hvd.allreduce(e[r], op=hvd.Adasum), e[0] + e[1])
+        assert torch.allclose(hvd.allreduce(e[0], op=hvd.Adasum), e[0])
+
+
+def check_sparse_allreduce():
+    r, n = hvd.rank(), hvd.size()
+    t = torch.sparse_coo_tensor(torch.tensor([[r, 5]]), torch.tensor([1.0, 2.0]), (8,))
+    got = hvd.synchronize(hvd.sparse_allreduce_async(t, op=hvd.Sum)).to_dense()
+    want = torch.zeros(8)
+    for q in range(n):
+        want[q] += 1.0
+        want[5] += 2.0
+    assert torch.equal(got, want), got
+
+
+def check_errors_and_queries():
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.nccl_built()
+    assert not (hvd.gloo_built() or hvd.ccl_built() or hvd.cuda_built() or hvd.rocm_built())
+    raises(lambda: hvd.alltoall(torch.ones(3), torch.tensor([5] * hvd.size())), "splits")
+
+
+def main():
+    hvd.init()
+    checks = Checks()
+    checks.run("process sets", check_process_sets)
+    checks.run("autograd through the collectives", check_autograd)
+    checks.run("join", check_join)
+    checks.run("duplicate names", check_duplicate_names)
+    checks.run("Adasum", check_adasum)
+    checks.run("sparse allreduce", check_sparse_allreduce)
+    checks.run("errors and build queries", check_errors_and_queries)
+    checks.finish()
+
+
+if __name__ == "__main__":
+    main()
