@@ -19,6 +19,7 @@ from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                       mpi_comm, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                       rocm_built, shutdown, size, start_timeline)
+from .sync_batch_norm import SyncBatchNorm
 from .timeline import stop_timeline
 
 HorovodInternalError = HvcommError  # Horovod's name for the error its collectives raise

@@ -57,6 +57,7 @@ class Engine:
             if item is None:
                 return
             job, handle, name, comm = item
+            timeline.cycle()
             try:
                 if name is None:
                     handle._finish(job(comm))

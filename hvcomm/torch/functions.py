@@ -35,8 +35,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     The state dict travels as one pickled object and is loaded with ``load_state_dict``; no
     optimizer step is taken (Horovod's version steps with zero gradients to create missing
     state, which would change momentum, Adam's step count and any error-feedback residual).
-    hvcomm's per-rank state (residuals, step counter) stays as it is on every rank.
+    hvcomm's per-rank state (residuals, step counter) stays as it is on every rank. As in
+    Horovod (whose initialising step creates them), a parameter that requires a gradient and
+    has none gets a zero gradient.
     """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     state: Any = None
     if rank() == root_rank:
         state = dict(optimizer.state_dict())

@@ -17,6 +17,8 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
+from . import timeline
+
 LOWEST = np.iinfo(np.int64).min
 
 
@@ -30,7 +32,8 @@ def negotiate(comm: MPI.Comm, sig: tuple, what: str, joinable: bool = False) -> 
     ranks then run with zeros) the signature they were sent."""
     h = _signature_hash(sig)
     buf = np.array([h, -h, 0, -comm.Get_rank(), -1], np.int64)
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    with timeline.measure(f"NEGOTIATE_{str(sig[0]).upper()}", "comm"):
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
     if buf[0] != -buf[1]:
         raise HvcommError(f"{what}: ranks submitted different collectives (this rank: {sig}); "
                           "every rank must call hvcomm collectives in the same order with "

@@ -67,7 +67,8 @@ def submit(kind: str, name: Optional[str], job: Callable[[MPI.Comm], Any],
     check_name(kind, name)
     comm = comm_of(process_set)
     hid = next(_next_handle)
-    _handles[hid] = (runtime().engine.submit(job, comm=comm), finish,
+    span = f"{kind.upper()} {kind}.{name or 'noname'}"  # Horovod's timeline names
+    _handles[hid] = (runtime().engine.submit(job, span, comm), finish,
                      None if name is None else (kind, name))
     if name is not None:
         _names_in_flight.add((kind, name))

@@ -16,6 +16,7 @@ from .buckets import ONE_BUCKET_BYTES
 from .compression import Compressor, NoneCompressor
 from .delayed import Delay, as_delay
 from .ops import Average, Sum
+from .process_sets import ProcessSet, global_process_set
 from .schedule import SCHEDULES
 
 
@@ -79,8 +80,12 @@ class Options:
             problem = _delay_problem(self)
         if problem is None and self.sparse_as_dense is not False:
             problem = "sparse_as_dense is not supported: hvcomm reduces dense gradients only"
-        if problem is None and self.process_set is not None:
-            problem = "process_set is not supported: pass a communicator to hvcomm.torch.init()"
+        if problem is None and self.process_set not in (None, global_process_set):
+            if not isinstance(self.process_set, ProcessSet):
+                problem = (f"process_set must be an hvcomm ProcessSet (add_process_set), got "
+                           f"{type(self.process_set).__name__}")
+            elif self.schedule is not None or self.delay is not None:
+                problem = "process_set= combines with neither schedule= nor delay="
         return problem
 
 

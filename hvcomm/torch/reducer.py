@@ -57,8 +57,9 @@ class Reducer:
     """Runs compressors the hvcomm way (with error feedback) or Horovod's way (any object
     with compress/decompress, carried by a dense allreduce)."""
 
-    def __init__(self, engine: Engine, compressor: Any, memory: ErrorFeedback):
+    def __init__(self, engine: Engine, compressor: Any, memory: ErrorFeedback, comm=None):
         self.engine, self.compressor, self.memory = engine, compressor, memory
+        self.comm = comm  # None: the engine's (every rank); else a process set's
         self.native = isinstance(compressor, Compressor)
 
     def start(self, bucket: Bucket, flat: torch.Tensor, step: int) -> InFlight:
@@ -67,14 +68,15 @@ class Reducer:
             payload, ctx = comp.compress(flat)
             payload = payload.contiguous()
             return InFlight(self, self.engine.submit(_collective_job("allreduce", payload, ctx),
-                                                     f"allreduce {key[:80]}"), payload, ctx)
+                                                     f"allreduce {key[:80]}", self.comm),
+                            payload, ctx)
         names, numels = bucket.names, bucket.numels
         acc = self.memory.compensate(names, numels, flat) if comp.error_feedback else flat
         payload, ctx = comp.compress(acc, step, key)
         if comp.error_feedback:
             self.memory.store(names, numels, comp.residual(acc, payload, ctx))
         return InFlight(self, self.engine.submit(_collective_job(comp.collective, payload, ctx),
-                                                 f"{comp.collective} {key[:80]}"),
+                                                 f"{comp.collective} {key[:80]}", self.comm),
                         payload, ctx, names, numels, flat.dtype)
 
     def finish(self, job: InFlight):

@@ -151,9 +151,9 @@ def mpi_comm() -> MPI.Comm:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Horovod's name: start writing this rank's timeline (Chrome trace JSON) to
-    ``file_path`` (``stem.rank<R>.json`` when several ranks run); see
-    :mod:`hvcomm.torch.timeline`."""
-    timeline.start(file_path, rank(), size())
+    ``file_path`` (ranks > 0: ``stem.rank<R>.json``); ``mark_cycles`` adds a CYCLE_START mark
+    per engine job; see :mod:`hvcomm.torch.timeline`."""
+    timeline.start(file_path, rank(), size(), mark_cycles)
 
 
 # -- Horovod's build queries: hvcomm runs on MPI (mpi4py), on the CPU ----------------------------

@@ -2,7 +2,8 @@
 
 Enable with ``HVCOMM_TIMELINE=path`` (read by ``init()``) or ``hvcomm.torch.start_timeline(path)``
 (defined in :mod:`hvcomm.torch.runtime`, which knows the rank).
-Each rank writes its own file (``path`` itself for a one-rank job, else ``stem.rank<R>.json``),
+Each rank writes its own file (rank 0 ``path`` itself, as Horovod's timeline, the others
+``stem.rank<R>.json``),
 in the Trace Event Format's JSON array form: open it in chrome://tracing or
 https://ui.perfetto.dev. pid is the rank, so :func:`merge` can put all ranks in one view.
 Threads: "main" (forward+backward, compression, waits, the update) and "comm" (the engine).
@@ -20,14 +21,16 @@ _TIDS = {"main": 1, "comm": 2}
 
 
 class Timeline:
-    def __init__(self, path: str, rank: int, size: int):
-        if size > 1:
+    def __init__(self, path: str, rank: int, size: int, mark_cycles: bool = False):
+        if rank > 0:
             stem, ext = os.path.splitext(path)
             path = f"{stem}.rank{rank}{ext or '.json'}"
-        self.path, self.rank = path, rank
+        self.path, self.rank, self.mark_cycles = path, rank, mark_cycles
         self._lock = threading.Lock()
         self._events: List[dict] = [
-            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
+            {"name": "process_name", "ph": "M", "pid": rank,
+             "args": {"name": f"rank {rank}",
+                      "start_time_since_epoch_in_micros": int(self.now_us())}}]
         self._events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                           "args": {"name": name}} for name, tid in _TIDS.items()]
         self._written = 0
@@ -49,6 +52,11 @@ class Timeline:
             self._events.append(event)
             if len(self._events) >= 2000:
                 self._flush_locked()
+
+    def instant(self, name: str, thread: str = "comm") -> None:
+        with self._lock:
+            self._events.append({"name": name, "ph": "i", "s": "t", "ts": self.now_us(),
+                                 "pid": self.rank, "tid": _TIDS[thread]})
 
     @contextmanager
     def measure(self, name: str, thread: str = "main", **args):
@@ -79,12 +87,19 @@ def active() -> Optional[Timeline]:
     return _active
 
 
-def start(file_path: str, rank: int, size: int) -> None:
+def start(file_path: str, rank: int, size: int, mark_cycles: bool = False) -> None:
     """Start writing this rank's timeline to ``file_path`` (see module doc); the Horovod-named
     ``hvcomm.torch.start_timeline`` passes the rank and size."""
     global _active
     stop_timeline()
-    _active = Timeline(file_path, rank, size)
+    _active = Timeline(file_path, rank, size, mark_cycles)
+
+
+def cycle() -> None:
+    """The engine starts a job: a CYCLE_START mark when cycles are marked (Horovod's name)."""
+    tl = _active
+    if tl is not None and tl.mark_cycles:
+        tl.instant("CYCLE_START")
 
 
 def stop_timeline() -> None:

@@ -35,6 +35,23 @@ def check_process_sets():
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # the world still works
 
 
+def check_optimizer_on_a_process_set():
+    """Every rank wraps its optimizer with the set of even ranks: they average among
+    themselves; an odd rank steps on its own gradient alone (Horovod's behaviour)."""
+    r, n = hvd.rank(), hvd.size()
+    evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(), process_set=evens)
+    model(torch.full((1, 3), float(r + 1))).sum().backward()
+    opt.step()
+    ranks = evens.ranks if r % 2 == 0 else [r]
+    want = -sum(q + 1.0 for q in ranks) / len(ranks)
+    assert torch.allclose(model.weight, torch.full((1, 3), want)), (model.weight, want)
+    hvd.remove_process_set(evens)
+
+
 def check_autograd():
     r, n = hvd.rank(), hvd.size()
     x = torch.ones(3, 2, requires_grad=True)
@@ -111,6 +128,33 @@ def check_sparse_allreduce():
     assert torch.equal(got, want), got
 
 
+def check_sync_batch_norm():
+    """Against torch's BatchNorm1d on the concatenated batch (ranks hold 1..n rows)."""
+    r, n = hvd.rank(), hvd.size()
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(n * (n + 1) // 2, 4, 3, generator=g, dtype=torch.float64)
+    lo = r * (r + 1) // 2
+    mine = full[lo:lo + r + 1].clone().requires_grad_()
+    ref_in = full.clone().requires_grad_()
+    sbn, bn = hvd.SyncBatchNorm(4).double(), torch.nn.BatchNorm1d(4).double()
+    with torch.no_grad():
+        for m in (sbn, bn):
+            m.weight.copy_(torch.tensor([1.0, 2.0, 0.5, -1.0]))
+            m.bias.copy_(torch.tensor([0.1, 0.0, -0.2, 0.3]))
+    dy = torch.randn(full.shape, generator=g, dtype=torch.float64)
+    out, ref = sbn(mine), bn(ref_in)
+    out.backward(dy[lo:lo + r + 1])
+    ref.backward(dy)
+    assert torch.allclose(out, ref[lo:lo + r + 1], atol=1e-10)
+    assert torch.allclose(sbn.running_mean, bn.running_mean, atol=1e-12)
+    assert torch.allclose(sbn.running_var, bn.running_var, atol=1e-12)
+    assert torch.allclose(mine.grad, ref_in.grad[lo:lo + r + 1], atol=1e-10)
+    assert torch.allclose(hvd.allreduce(sbn.weight.grad, op=hvd.Sum), bn.weight.grad, atol=1e-10)
+    sbn.eval()
+    bn.eval()
+    assert torch.allclose(sbn(full), bn(full), atol=1e-10)
+
+
 def check_errors_and_queries():
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.nccl_built()
@@ -122,11 +166,13 @@ def main():
     hvd.init()
     checks = Checks()
     checks.run("process sets", check_process_sets)
+    checks.run("DistributedOptimizer on a process set", check_optimizer_on_a_process_set)
     checks.run("autograd through the collectives", check_autograd)
     checks.run("join", check_join)
     checks.run("duplicate names", check_duplicate_names)
     checks.run("Adasum", check_adasum)
     checks.run("sparse allreduce", check_sparse_allreduce)
+    checks.run("SyncBatchNorm", check_sync_batch_norm)
     checks.run("errors and build queries", check_errors_and_queries)
     checks.finish()
 
