@@ -8,55 +8,19 @@ from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
 import torch
-from mpi4py import MPI
 
 from collectives.errors import HvcommError, raise_together
 
 from hvcomm import planner
 
 from . import timeline
-from .buckets import ONE_BUCKET_BYTES, plan_groups
 from .compression import Compression, Compressor
 from .delayed import Delayed
 from .ops import Average
-from .options import Options, agree_on_parameters
-from .p3 import P3
-from .process_sets import ProcessSet, global_process_set
+from .options import Options, agree_on_parameters, averaging_comm, make_strategy
+from .process_sets import ProcessSet
 from .runtime import runtime
 from .schedule import ScheduledPlans
-from .strategy import Strategy
-from .sync import Synchronous
-
-
-def _comm(o: Options) -> MPI.Comm:
-    """Where the gradients are averaged: every rank, a process set's ranks, or (on a rank
-    outside the process set, as in Horovod) this rank alone."""
-    ps = o.process_set
-    if ps is None or ps is global_process_set:
-        return runtime().engine.comm
-    return ps.comm if ps.included() else MPI.COMM_SELF
-
-
-def _make_strategy(opt: torch.optim.Optimizer, o: Options, params, names) -> Strategy:
-    rt = runtime()
-    base_step = functools.partial(_base_step, opt)
-    comm = _comm(o)
-    common = dict(predivide=o.predivide, scale=o.scale(comm.Get_size()))
-    if o.schedule == "p3":
-        return P3(params, names, base_step, rt.engine, opt, o.slice_elems, model=o.model,
-                  **common)
-    plans = None
-    threshold = o.bucket_threshold_bytes()
-    if o.schedule is not None:
-        plans = ScheduledPlans(o.schedule, [p.numel() * p.element_size() for p in params],
-                               [str(p.dtype) for p in params], names, rt.engine,
-                               o.fusion_threshold_bytes, o.profile_steps, o.trial_steps)
-        threshold = ONE_BUCKET_BYTES  # profiling: everything in one message after backward
-    dense_at = o.delay.sends_dense if o.delay is not None else (lambda step: False)
-    sync = Synchronous(params, names, base_step, rt.engine, o.compression,
-                       plan_groups(params, o.groups, threshold), plans=plans,
-                       dense_at=dense_at, comm=comm, **common)
-    return Delayed(sync, o.delay, opt) if o.delay is not None else sync
 
 
 def _base_step(opt: torch.optim.Optimizer, closure=None):
@@ -78,7 +42,7 @@ class _DistributedMixin:
         name_of = {p: n for n, p in named}
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names = [name_of[p] for p in params]
-        agree_on_parameters(_comm(o), [(n, tuple(p.shape), str(p.dtype))
+        agree_on_parameters(averaging_comm(o), [(n, tuple(p.shape), str(p.dtype))
                                              for n, p in zip(names, params)]
                             + [o.agreement_key()])
         self._index = {p: i for i, p in enumerate(params)}
@@ -88,7 +52,8 @@ class _DistributedMixin:
         self._synchronized = False
         self._should_synchronize = True
         self._iter_start_us = timeline.Timeline.now_us()
-        self._strategy = _make_strategy(self, o, params, names)
+        self._strategy = make_strategy(o, params, names, self,
+                                       functools.partial(_base_step, self))
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._patch_step_function()
 
@@ -260,7 +225,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     else:
         problem = options.problem(optimizer, rt.comm.Get_size())
     in_a_set = isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
-    raise_together(_comm(options) if in_a_set else rt.comm, problem, "DistributedOptimizer")
+    raise_together(averaging_comm(options) if in_a_set else rt.comm, problem, "DistributedOptimizer")
     cls = _distributed_class(type(optimizer))
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)

@@ -1,5 +1,6 @@
 """DistributedOptimizer's arguments as one frozen object: validation (every rank raises
-together, see :func:`collectives.errors.raise_together`) and the choices derived from them."""
+together, see :func:`collectives.errors.raise_together`), the choices derived from them, and
+the synchronisation strategy they select."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +13,16 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
-from .buckets import ONE_BUCKET_BYTES
+from .buckets import ONE_BUCKET_BYTES, plan_groups
 from .compression import Compressor, NoneCompressor
-from .delayed import Delay, as_delay
+from .delayed import Delay, Delayed, as_delay
 from .ops import Average, Sum
+from .p3 import P3
 from .process_sets import ProcessSet, global_process_set
-from .schedule import SCHEDULES
+from .runtime import runtime
+from .schedule import SCHEDULES, ScheduledPlans
+from .strategy import BaseStep, Strategy
+from .sync import Synchronous
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,38 @@ def _delay_problem(o: Options) -> Optional[str]:
     if problem is None and not isinstance(o.compression, Compressor):
         problem = "delay= needs an hvcomm compressor (Compression.*)"
     return problem
+
+
+def averaging_comm(o: Options) -> MPI.Comm:
+    """Where the gradients are averaged: every rank, a process set's ranks, or (on a rank
+    outside the process set, as in Horovod) this rank alone."""
+    ps = o.process_set
+    if ps is None or ps is global_process_set:
+        return runtime().engine.comm
+    return ps.comm if ps.included() else MPI.COMM_SELF
+
+
+def make_strategy(o: Options, params, names, opt: torch.optim.Optimizer,
+                  base_step: BaseStep) -> Strategy:
+    """The synchronisation strategy these options choose (``o`` resolved)."""
+    rt = runtime()
+    comm = averaging_comm(o)
+    common = dict(predivide=o.predivide, scale=o.scale(comm.Get_size()))
+    if o.schedule == "p3":
+        return P3(params, names, base_step, rt.engine, opt, o.slice_elems, model=o.model,
+                  **common)
+    plans = None
+    threshold = o.bucket_threshold_bytes()
+    if o.schedule is not None:
+        plans = ScheduledPlans(o.schedule, [p.numel() * p.element_size() for p in params],
+                               [str(p.dtype) for p in params], names, rt.engine,
+                               o.fusion_threshold_bytes, o.profile_steps, o.trial_steps)
+        threshold = ONE_BUCKET_BYTES  # profiling: everything in one message after backward
+    dense_at = o.delay.sends_dense if o.delay is not None else (lambda step: False)
+    sync = Synchronous(params, names, base_step, rt.engine, o.compression,
+                       plan_groups(params, o.groups, threshold), plans=plans,
+                       dense_at=dense_at, comm=comm, **common)
+    return Delayed(sync, o.delay, opt) if o.delay is not None else sync
 
 
 def agree_on_parameters(comm: MPI.Comm, spec: Sequence[tuple]) -> None:
