@@ -9,7 +9,7 @@ import torch
 from . import gather_ops as g
 from .compression import Compression
 from .ops import (Average, Sum, _resolve_op, allreduce_async, synchronize)
-from .process_sets import comm_of, global_process_set
+from .process_sets import comm_of, global_process_set, set_rank
 
 
 class _Allreduce(torch.autograd.Function):
@@ -80,7 +80,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         averaged = allreduce(grad.contiguous(), op=Average, process_set=ctx.process_set)
-        if comm_of(ctx.process_set).Get_rank() != ctx.root_rank:
+        if comm_of(ctx.process_set).Get_rank() != set_rank(ctx.process_set, ctx.root_rank):
             averaged = averaged * 0
         return averaged, None, None, None
 

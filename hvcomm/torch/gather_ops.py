@@ -13,7 +13,7 @@ from collectives.errors import HvcommError
 from .negotiation import negotiate
 from .ops import (Average, Adasum, Sum, _group_handle, check_reducible, _group_names, _host_copy,
                   _reduce_in_place, _resolve_op, as_bits, scale_, submit, synchronize)
-from .process_sets import comm_of, global_process_set
+from .process_sets import comm_of, global_process_set, set_rank
 from .runtime import runtime
 
 
@@ -68,17 +68,20 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """Start an in-place broadcast of ``tensor`` from ``root_rank`` (a rank of the set)."""
+    """Start an in-place broadcast of ``tensor`` from ``root_rank`` (a rank of init()'s
+    communicator, also with a process set)."""
     in_place = tensor.device.type == "cpu" and tensor.is_contiguous()
     host = tensor.data if in_place else _host_copy(tensor)
     sig = ("broadcast", name, tuple(host.shape), str(host.dtype), int(root_rank))
     what = f"broadcast {name or ''}".strip()
+    size = runtime().comm.Get_size()
+    root = set_rank(process_set, root_rank) if 0 <= root_rank < size else -1
 
     def job(comm):
         negotiate(comm, sig, what)
-        if not 0 <= root_rank < comm.Get_size():
-            raise HvcommError(f"{what}: root_rank {root_rank} outside [0, {comm.Get_size()})")
-        comm.Bcast(as_bits(host), root=root_rank)
+        if root < 0:
+            raise HvcommError(f"{what}: root_rank {root_rank} outside [0, {size})")
+        comm.Bcast(as_bits(host), root=root)
 
     def finish(_):
         if not in_place:
@@ -179,8 +182,8 @@ def _object_job(what: str, fn: Callable[[MPI.Comm], Any], process_set) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name=None,
                      process_set=global_process_set) -> Any:
     """Pickle ``obj`` on root_rank and return it on every rank."""
-    return _object_job("broadcast_object", lambda comm: comm.bcast(obj, root=root_rank),
-                       process_set)
+    root = set_rank(process_set, root_rank)
+    return _object_job("broadcast_object", lambda comm: comm.bcast(obj, root=root), process_set)
 
 
 def allgather_object(obj: Any, name=None, process_set=global_process_set) -> List[Any]:

@@ -68,6 +68,16 @@ def comm_of(process_set: Optional[ProcessSet]) -> MPI.Comm:
     return process_set._member()
 
 
+def set_rank(process_set: Optional[ProcessSet], rank: int) -> int:
+    """The position in ``process_set`` of ``rank`` (a rank of init()'s communicator, as
+    Horovod's root_rank always is)."""
+    if process_set is None or process_set is global_process_set:
+        return int(rank)
+    if rank not in process_set.ranks:
+        raise HvcommError(f"root rank {rank} is not in process set {process_set.ranks}")
+    return process_set.ranks.index(rank)
+
+
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set (collective: every rank calls it with the same ranks)."""
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)

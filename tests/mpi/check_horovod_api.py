@@ -27,6 +27,9 @@ def check_process_sets():
     got = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=mine)
     assert got.item() == sum(q for q in mine.ranks), (got, mine)
     assert hvd.allgather(torch.tensor([r]), process_set=mine).tolist() == mine.ranks
+    root = mine.ranks[-1]  # root ranks are ranks of the world, also within a set
+    assert hvd.broadcast(torch.tensor([r]), root, process_set=mine).item() == root
+    assert hvd.broadcast_object(r, root, process_set=mine) == root
     if other is not None:
         raises(lambda: hvd.allreduce(torch.ones(1), process_set=other), "not in process set")
     raises(lambda: hvd.add_process_set([0, 0]), "distinct ranks")
