@@ -77,16 +77,27 @@ def plan_groups(params: Sequence[torch.nn.Parameter], groups, threshold_bytes: i
 
 def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0) -> torch.Tensor:
     """A private flat CPU copy of the parameters' gradients (zeros for a parameter with no
-    gradient on this rank, e.g. an unused branch), divided by ``predivide``."""
+    gradient on this rank, e.g. an unused branch; sparse gradients made dense), divided by
+    ``predivide``."""
     grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad.detach().reshape(-1))
+        grad = p.grad.detach()
+        grads.append((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
     flat = torch.cat(grads).cpu()
     if predivide != 1.0:
         flat.div_(predivide)
     return flat
+
+
+def set_grad(p: torch.nn.Parameter, averaged: torch.Tensor) -> None:
+    """Put the averaged gradient into ``p.grad``, in place, or sparse again where the
+    gradient was sparse (an Embedding(sparse=True): SparseAdam and friends expect that)."""
+    if p.grad.is_sparse:
+        p.grad = averaged.to_sparse()
+    else:
+        p.grad.copy_(averaged)
 
 
 def split(flat: torch.Tensor, numels: Sequence[int]) -> Iterator[Tuple[int, torch.Tensor]]:

@@ -82,9 +82,6 @@ class _DistributedMixin:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if p.grad is not None and p.grad.is_sparse:
-            raise HvcommError(f"parameter {self._names[p]!r} has sparse gradients, which hvcomm "
-                              "does not reduce; use a dense layer (e.g. Embedding(sparse=False))")
         i = self._index[p]
         if self._passes_left[i] <= 0:
             raise HvcommError("Gradients were computed more than backward_passes_per_step times "

@@ -83,8 +83,8 @@ class Options:
             problem = _schedule_problem(self, params)
         if problem is None:
             problem = _delay_problem(self)
-        if problem is None and self.sparse_as_dense is not False:
-            problem = "sparse_as_dense is not supported: hvcomm reduces dense gradients only"
+        if problem is None and self.sparse_as_dense not in (True, False):
+            problem = f"sparse_as_dense must be True or False, got {self.sparse_as_dense!r}"
         if problem is None and self.process_set not in (None, global_process_set):
             if not isinstance(self.process_set, ProcessSet):
                 problem = (f"process_set must be an hvcomm ProcessSet (add_process_set), got "

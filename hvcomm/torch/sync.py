@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from . import timeline
-from .buckets import Bucket, CommStats, flat_grad, make_buckets, split
+from .buckets import Bucket, CommStats, flat_grad, make_buckets, set_grad, split
 from .compression import Compression, Compressor
 from .engine import Engine
 from .memory import ErrorFeedback
@@ -102,7 +102,7 @@ class Synchronous(Strategy):
         launched = self.take_launched()
         with timeline.measure("wait"):
             for i, g in self.collect(launched):
-                self.params[i].grad.copy_(g)
+                set_grad(self.params[i], g)
         self.steps += 1
 
     def update(self, closure=None):

@@ -55,6 +55,30 @@ def check_optimizer_on_a_process_set():
     hvd.remove_process_set(evens)
 
 
+def check_sparse_gradients():
+    """Embedding(sparse=True) trains as the dense Embedding does; the gradient the wrapped
+    optimizer sees is sparse again (SparseAdam needs that), with or without sparse_as_dense."""
+    r = hvd.rank()
+    idx = torch.tensor([[r % 10, 3], [7, (2 * r) % 10]])
+    for sparse_as_dense in (False, True):
+        weights = []
+        for sparse in (True, False):
+            torch.manual_seed(3)
+            emb = torch.nn.Embedding(10, 3, sparse=sparse)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                           named_parameters=emb.named_parameters(),
+                                           sparse_as_dense=sparse_as_dense)
+            emb(idx).pow(2).sum().backward()
+            opt.step()
+            assert emb.weight.grad.is_sparse == sparse
+            weights.append(emb.weight.detach().clone())
+        assert torch.allclose(weights[0], weights[1], atol=1e-6)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1))
+    emb(idx).sum().backward()
+    opt.step()
+
+
 def check_autograd():
     r, n = hvd.rank(), hvd.size()
     x = torch.ones(3, 2, requires_grad=True)
@@ -170,6 +194,7 @@ def main():
     checks = Checks()
     checks.run("process sets", check_process_sets)
     checks.run("DistributedOptimizer on a process set", check_optimizer_on_a_process_set)
+    checks.run("sparse gradients", check_sparse_gradients)
     checks.run("autograd through the collectives", check_autograd)
     checks.run("join", check_join)
     checks.run("duplicate names", check_duplicate_names)
