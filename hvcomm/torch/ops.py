@@ -143,7 +143,7 @@ def _reduce_in_place(comm: MPI.Comm, tensor: torch.Tensor, op: str) -> None:
         tensor.copy_(buf)
 
 
-def _adasum(comm: MPI.Comm, tensor: torch.Tensor) -> None:
+def adasum_(comm: MPI.Comm, tensor: torch.Tensor) -> None:
     """Horovod's adaptive summation, in place: pairs of ranks' tensors are combined as
     a' = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, up a binary tree over the ranks (any P;
     a rank without a partner goes up unchanged), computed in float64 on every rank alike."""
@@ -186,7 +186,7 @@ def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: t
         check_reducible(what, out.dtype)
         scale_(out, prescale)
         if op == Adasum:
-            _adasum(comm, out)
+            adasum_(comm, out)
         else:
             _reduce_in_place(comm, out, op)
         scale_(out, postscale / comm.Get_size() if op == Average else postscale)

@@ -16,7 +16,7 @@ from collectives.errors import HvcommError
 from .buckets import ONE_BUCKET_BYTES, plan_groups
 from .compression import Compressor, NoneCompressor
 from .delayed import Delay, Delayed, as_delay
-from .ops import Average, Sum
+from .ops import Adasum, Average, Sum
 from .p3 import P3
 from .process_sets import ProcessSet, global_process_set
 from .runtime import runtime
@@ -100,8 +100,11 @@ def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
         return f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
     if not isinstance(bpps, int) or bpps <= 0:
         return f"backward_passes_per_step must be a positive integer, got {bpps!r}"
-    if o.op not in (Average, Sum):
-        return f"op must be hvcomm.torch.Average or Sum for gradients, got {o.op!r}"
+    if o.op not in (Average, Sum, Adasum):
+        return f"op must be hvcomm.torch.Average, Sum or Adasum for gradients, got {o.op!r}"
+    if o.op == Adasum and (type(compression) is not NoneCompressor or o.schedule or o.delay):
+        return ("op=Adasum combines the uncompressed gradients: use it without compression=, "
+                "schedule= and delay=")
     if o.gradient_predivide_factor != 1.0 and o.op != Average:
         return "gradient_predivide_factor is only supported with op=Average"
     if not isinstance(compression, Compressor) and not (
@@ -211,7 +214,7 @@ def make_strategy(o: Options, params, names, opt: torch.optim.Optimizer,
     dense_at = o.delay.sends_dense if o.delay is not None else (lambda step: False)
     sync = Synchronous(params, names, base_step, rt.engine, o.compression,
                        plan_groups(params, o.groups, threshold), plans=plans,
-                       dense_at=dense_at, comm=comm, **common)
+                       dense_at=dense_at, comm=comm, adasum=o.op == Adasum, **common)
     return Delayed(sync, o.delay, opt) if o.delay is not None else sync
 
 

@@ -12,7 +12,7 @@ from .buckets import Bucket
 from .compression import Compressor
 from .engine import Engine, Handle
 from .memory import ErrorFeedback
-from .ops import as_numpy, sum_in_place
+from .ops import adasum_, as_numpy, sum_in_place
 
 
 @dataclass
@@ -40,6 +40,10 @@ def _collective_job(collective: str, payload: Any, ctx: Any):
         def job(comm):
             sum_in_place(comm, buf)
             return payload, 2 * (comm.Get_size() - 1) / comm.Get_size() * buf.nbytes
+    elif collective == "adasum":
+        def job(comm):
+            adasum_(comm, payload)
+            return payload, 2 * (comm.Get_size() - 1) / comm.Get_size() * payload.nbytes
     elif collective == "allgather":
         def job(comm):
             res = C.topk_allgather(comm, *payload, ctx[0], ctx[1], check=False)
@@ -57,9 +61,11 @@ class Reducer:
     """Runs compressors the hvcomm way (with error feedback) or Horovod's way (any object
     with compress/decompress, carried by a dense allreduce)."""
 
-    def __init__(self, engine: Engine, compressor: Any, memory: ErrorFeedback, comm=None):
+    def __init__(self, engine: Engine, compressor: Any, memory: ErrorFeedback, comm=None,
+                 adasum: bool = False):
         self.engine, self.compressor, self.memory = engine, compressor, memory
         self.comm = comm  # None: the engine's (every rank); else a process set's
+        self.dense_collective = "adasum" if adasum else "allreduce"  # what "allreduce" means
         self.native = isinstance(compressor, Compressor)
 
     def start(self, bucket: Bucket, flat: torch.Tensor, step: int) -> InFlight:
@@ -67,16 +73,18 @@ class Reducer:
         if not self.native:
             payload, ctx = comp.compress(flat)
             payload = payload.contiguous()
-            return InFlight(self, self.engine.submit(_collective_job("allreduce", payload, ctx),
-                                                     f"allreduce {key[:80]}", self.comm),
+            return InFlight(self, self.engine.submit(
+                _collective_job(self.dense_collective, payload, ctx),
+                f"{self.dense_collective} {key[:80]}", self.comm),
                             payload, ctx)
         names, numels = bucket.names, bucket.numels
         acc = self.memory.compensate(names, numels, flat) if comp.error_feedback else flat
         payload, ctx = comp.compress(acc, step, key)
         if comp.error_feedback:
             self.memory.store(names, numels, comp.residual(acc, payload, ctx))
-        return InFlight(self, self.engine.submit(_collective_job(comp.collective, payload, ctx),
-                                                 f"{comp.collective} {key[:80]}", self.comm),
+        collective = self.dense_collective if comp.collective == "allreduce" else comp.collective
+        return InFlight(self, self.engine.submit(_collective_job(collective, payload, ctx),
+                                                 f"{collective} {key[:80]}", self.comm),
                         payload, ctx, names, numels, flat.dtype)
 
     def finish(self, job: InFlight):

@@ -25,18 +25,20 @@ class Synchronous(Strategy):
     gradient_predivide_factor); ``scale``: multiply each sum after it (1/size for an average,
     times predivide). ``dense_at(step)``: steps whose buckets go uncompressed (the delayed
     modes' warm-up and CD-SGD's full-precision steps). ``comm``: a process set's
-    communicator (default: every rank)."""
+    communicator (default: every rank). ``adasum``: buckets are combined by Adasum instead
+    of summed."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  base_step: BaseStep, engine: Engine, compression: Compressor,
                  groups: Sequence[Sequence[int]], *, predivide: float = 1.0,
                  scale: float = 1.0, plans: Optional[ScheduledPlans] = None,
-                 dense_at: Callable[[int], bool] = lambda step: False, comm=None):
+                 dense_at: Callable[[int], bool] = lambda step: False, comm=None,
+                 adasum: bool = False):
         super().__init__(params, names, base_step)
         self.memory = ErrorFeedback()
         self.comm_stats, self.steps = CommStats(), 0
-        self._reducer = Reducer(engine, compression, self.memory, comm)
-        self._dense_reducer = Reducer(engine, Compression.none, self.memory, comm)
+        self._reducer = Reducer(engine, compression, self.memory, comm, adasum)
+        self._dense_reducer = Reducer(engine, Compression.none, self.memory, comm, adasum)
         self.predivide, self.scale = predivide, scale
         self.plans, self.dense_at = plans, dense_at
         self.comm_end = 0.0  # when the last collective of the last synchronize() ended

@@ -138,6 +138,13 @@ def check_adasum():
         level = nxt + ([level[-1]] if len(level) % 2 else [])
     got = hvd.allreduce(vecs[r], op=hvd.Adasum)
     assert torch.allclose(got, level[0], atol=1e-12), (got, level[0])
+    # DistributedOptimizer(op=Adasum): the step takes the Adasum of the ranks' gradients
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
+                                   op=hvd.Adasum)
+    (w * vecs[r]).sum().backward()
+    opt.step()
+    assert torch.allclose(w.detach(), -level[0], atol=1e-12), (w, level[0])
     if n == 2:  # orthogonal vectors add; equal vectors stay (Adasum's defining cases)
         e = torch.eye(2, dtype=torch.float64)
         assert torch.allclose(hvd.allreduce(e[r], op=hvd.Adasum), e[0] + e[1])
