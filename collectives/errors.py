@@ -7,7 +7,12 @@ from typing import Any, Hashable, Optional, Sequence
 class HvcommError(RuntimeError, ValueError):
     """Bad input or a disagreement between ranks; the message says what to do. A
     RuntimeError, as Horovod's HorovodInternalError is (scripts catch that), and a
-    ValueError, as Horovod raises for bad arguments."""
+    ValueError, as Horovod raises for bad arguments. ``everywhere``: every rank raises it
+    together (the ranks stay in step)."""
+
+    def __init__(self, *args, everywhere: bool = False):
+        super().__init__(*args)
+        self.everywhere = everywhere
 
 
 def raise_together(comm, local_error: Optional[str], what: str) -> None:
@@ -20,7 +25,7 @@ def raise_together(comm, local_error: Optional[str], what: str) -> None:
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if bad:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
-        raise HvcommError(f"{what}: {detail}")
+        raise HvcommError(f"{what}: {detail}", everywhere=True)
 
 
 def check_agree(comm, key: Hashable, what: str, local_error: Optional[str] = None) -> None:
@@ -31,4 +36,5 @@ def check_agree(comm, key: Hashable, what: str, local_error: Optional[str] = Non
     keys: Sequence[Any] = comm.allgather(key)
     if any(k != keys[0] for k in keys):
         listing = "; ".join(f"rank {r}: {k!r}" for r, k in enumerate(keys))
-        raise HvcommError(f"{what}: ranks disagree ({listing}); every rank must pass the same")
+        raise HvcommError(f"{what}: ranks disagree ({listing}); every rank must pass the same",
+                          everywhere=True)

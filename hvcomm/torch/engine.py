@@ -9,12 +9,15 @@ from typing import Any, Callable, Optional
 from collectives.errors import HvcommError
 
 from . import timeline
+from .watchdog import peer_error
 
 
 class Handle:
-    """The future of one submitted job: ``done()`` polls, ``wait()`` returns or re-raises."""
+    """The future of one submitted job: ``done()`` polls, ``wait()`` returns or re-raises
+    (or raises once another rank has failed or left while this rank's engine is stuck)."""
 
-    def __init__(self):
+    def __init__(self, engine: "Optional[Engine]" = None):
+        self._engine = engine
         self._event = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -29,7 +32,10 @@ class Handle:
         return self._event.is_set()
 
     def wait(self) -> Any:
-        self._event.wait()
+        while not self._event.wait(0.5):
+            stuck = self._engine.stuck_error() if self._engine is not None else None
+            if stuck is not None:
+                raise stuck
         if self._error is not None:
             raise self._error
         return self._result
@@ -46,6 +52,9 @@ class Engine:
 
     def __init__(self, comm):
         self.comm = comm
+        self.current: "Optional[tuple[str, float]]" = None  # (job, since) while one runs
+        self.watchdog = None    # a hvcomm.torch.watchdog.Watchdog, attached by init()
+        self._problem_at = 0.0
         self._open_streams = 0  # running jobs that wait for the main thread (a P3 round)
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="hvcomm-engine", daemon=True)
@@ -58,14 +67,38 @@ class Engine:
                 return
             job, handle, name, comm = item
             timeline.cycle()
+            label = name or getattr(job, "__qualname__", "job")
+            self.current = (label, time.monotonic())
             try:
                 if name is None:
-                    handle._finish(job(comm))
+                    result = job(comm)
                 else:
                     with timeline.measure(name, "comm"):
-                        handle._finish(job(comm))
+                        result = job(comm)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                self.current = None
+                if self.watchdog is not None and not getattr(e, "everywhere", False):
+                    self.watchdog.announce("failed", f"{label}: {type(e).__name__}: {e}")
                 handle._finish(error=e)
+                continue
+            self.current = None
+            if self.watchdog is not None:
+                self.watchdog.peer_problem = None  # progress: the ranks are in step
+            handle._finish(result)
+
+    def stuck_error(self) -> Optional[HvcommError]:
+        """An error for a caller waiting on this engine, once another rank has failed or
+        left and this engine has stayed stuck in a job for a second since."""
+        problem = self.watchdog.peer_problem if self.watchdog is not None else None
+        current = self.current
+        if problem is None or current is None:
+            self._problem_at = 0.0
+            return None
+        now = time.monotonic()
+        self._problem_at = self._problem_at or now
+        if now - self._problem_at < 1.0:
+            return None
+        return peer_error(problem, current[0])
 
     def open_stream(self) -> None:
         """A job that waits for the main thread (a P3 round) is submitted."""
@@ -88,11 +121,16 @@ class Engine:
         set's is derived from it); ``name`` labels its span on the timeline."""
         if not self._thread.is_alive():
             raise RuntimeError("hvcomm engine is shut down; call hvcomm.torch.init() first")
-        handle = Handle()
+        handle = Handle(self)
         self._jobs.put((job, handle, name, self.comm if comm is None else comm))
         return handle
 
+    @property
+    def stuck(self) -> bool:
+        """A job will never finish: another rank failed or left while this one waits."""
+        return self.current is not None and self.stuck_error() is not None
+
     def close(self) -> None:
-        if self._thread.is_alive():
+        if self._thread.is_alive() and not self.stuck:
             self._jobs.put(None)
             self._thread.join()

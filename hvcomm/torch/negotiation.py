@@ -37,13 +37,14 @@ def negotiate(comm: MPI.Comm, sig: tuple, what: str, joinable: bool = False) -> 
     if buf[0] != -buf[1]:
         raise HvcommError(f"{what}: ranks submitted different collectives (this rank: {sig}); "
                           "every rank must call hvcomm collectives in the same order with "
-                          "tensors of the same shape and dtype")
+                          "tensors of the same shape and dtype", everywhere=True)
     if not buf[2]:
         return None
     comm.bcast(pickle.dumps(sig) if joinable else None, root=int(-buf[3]))
     if not joinable:
         raise HvcommError(f"{what}: a rank has called join(); only allreduce can run until "
-                          "every rank has joined (Horovod's rule). Call join() here too")
+                          "every rank has joined (Horovod's rule). Call join() here too",
+                          everywhere=True)
     return sig
 
 

@@ -114,7 +114,7 @@ def check_reducible(what: str, dtype: torch.dtype) -> None:
     if dtype not in _REDUCIBLE:
         raise HvcommError(f"{what}: {dtype} tensors cannot be reduced; reductions take "
                           f"{', '.join(str(d) for d in _REDUCIBLE)} (allgather and broadcast "
-                          "take any dtype)")
+                          "take any dtype)", everywhere=True)
 
 
 def scale_(tensor: torch.Tensor, factor: float) -> None:

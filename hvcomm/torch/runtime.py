@@ -14,6 +14,7 @@ from collectives.errors import HvcommError
 
 from . import timeline
 from .engine import Engine
+from .watchdog import Watchdog
 
 
 @dataclass
@@ -54,12 +55,15 @@ def _abort_on_uncaught(exc_type, exc, tb):
 
 
 def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
-         abort_on_error: Optional[bool] = None) -> None:
+         abort_on_error: Optional[bool] = None, stall_check_s: Optional[float] = None,
+         stall_shutdown_s: Optional[float] = None) -> None:
     """Start hvcomm on ``comm`` (default MPI.COMM_WORLD, also when Horovod is initialised).
 
     ``comm`` may be an mpi4py communicator or, as in Horovod, a list of world ranks.
     ``abort_on_error`` (default: env HVCOMM_ABORT_ON_ERROR, else True) installs an excepthook
     that aborts the whole job on an uncaught exception when more than one rank runs.
+    ``stall_check_s`` (env HVCOMM_STALL_CHECK_S, default 60) and ``stall_shutdown_s``
+    (HVCOMM_STALL_SHUTDOWN_S, default off): see :mod:`hvcomm.torch.watchdog`.
     Calling init again with the same communicator does nothing.
     """
     global _runtime, _previous_excepthook
@@ -82,7 +86,13 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     local = user.Split_type(MPI.COMM_TYPE_SHARED, key=user.Get_rank())
     cross = user.Split(local.Get_rank(), user.Get_rank())
     threshold = int(os.environ.get("HVCOMM_FUSION_THRESHOLD_BYTES", 25 * 2**20))  # DDP default
-    _runtime = Runtime(user, local, cross, Engine(user.Dup()), threshold)
+    engine = Engine(user.Dup())
+    if stall_check_s is None:
+        stall_check_s = float(os.environ.get("HVCOMM_STALL_CHECK_S", 60))
+    if stall_shutdown_s is None and os.environ.get("HVCOMM_STALL_SHUTDOWN_S"):
+        stall_shutdown_s = float(os.environ["HVCOMM_STALL_SHUTDOWN_S"])
+    engine.watchdog = Watchdog(engine.comm.Dup(), engine, stall_check_s, stall_shutdown_s)
+    _runtime = Runtime(user, local, cross, engine, threshold)
     if abort_on_error is None:
         abort_on_error = os.environ.get("HVCOMM_ABORT_ON_ERROR", "1") != "0"
     if abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
@@ -98,13 +108,22 @@ def shutdown() -> None:
     if _runtime is None:
         return
     rt = _runtime
+    watchdog = rt.engine.watchdog
+    if rt.comm.Get_size() > 1 and not MPI.Is_finalized():
+        watchdog.announce("bye", "")
     rt.engine.close()
+    if rt.engine.stuck and not MPI.Is_finalized():
+        watchdog.wait_for_departures(10.0)
+        sys.stderr.write(f"hvcomm: rank {rt.comm.Get_rank()} shuts down with a collective "
+                         "that can never finish; aborting the job\n")
+        MPI.COMM_WORLD.Abort(1)
+    watchdog.close()
     for fn in _shutdown_hooks:
         fn()
     timeline.stop_timeline()
     _runtime = None
     if not MPI.Is_finalized():
-        for c in (rt.engine.comm, rt.cross_comm, rt.local_comm, rt.comm):
+        for c in (watchdog.comm, rt.engine.comm, rt.cross_comm, rt.local_comm, rt.comm):
             c.Free()
     if _previous_excepthook is not None:
         sys.excepthook, _previous_excepthook = _previous_excepthook, None
