@@ -2,6 +2,7 @@
 reduce-scatter, the object collectives and the barrier, with Horovod's names and semantics."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -47,9 +48,11 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
                           for t, n in zip(tensors, _group_names(name, len(tensors)))])
 
 
-def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> int:
+def sparse_allreduce_async(tensor, name=None, op=Average,
+                           process_set=global_process_set) -> Callable[[], torch.Tensor]:
     """Allreduce of a sparse COO tensor (Horovod's way: every rank's indices and values are
-    gathered, then summed; the result is coalesced). Returns a handle for synchronize()."""
+    gathered, then summed; the result is coalesced). Returns, as Horovod, a handle to call
+    for the result."""
     if not tensor.is_sparse:
         raise HvcommError("sparse_allreduce_async takes a sparse tensor; use allreduce_async")
     t = tensor.coalesce()
@@ -64,7 +67,7 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
             val = val / size
         return torch.sparse_coo_tensor(idx.t(), val, t.shape).coalesce()
 
-    return _group_handle([hi, hv], finish)
+    return functools.partial(synchronize, _group_handle([hi, hv], finish))
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:

@@ -46,7 +46,7 @@ class _DistributedMixin:
                                              for n, p in zip(names, params)]
                             + [o.agreement_key()])
         self._index = {p: i for i, p in enumerate(params)}
-        self._names = dict(zip(params, names))
+        self._parameter_names = dict(zip(params, names))  # Horovod's name; scripts read it
         self._passes_left = [o.backward_passes_per_step] * len(params)
         self._hooks_fired = False
         self._synchronized = False

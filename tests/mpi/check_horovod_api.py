@@ -154,7 +154,7 @@ def check_adasum():
 def check_sparse_allreduce():
     r, n = hvd.rank(), hvd.size()
     t = torch.sparse_coo_tensor(torch.tensor([[r, 5]]), torch.tensor([1.0, 2.0]), (8,))
-    got = hvd.synchronize(hvd.sparse_allreduce_async(t, op=hvd.Sum)).to_dense()
+    got = hvd.sparse_allreduce_async(t, op=hvd.Sum)().to_dense()  # a handle to call
     want = torch.zeros(8)
     for q in range(n):
         want[q] += 1.0
