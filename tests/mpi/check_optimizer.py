@@ -6,7 +6,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
+from harness import Checks, expect_everywhere  # noqa: E402,F401
 
 import hvcomm.torch as hvd  # noqa: E402
 from collectives import HvcommError  # noqa: E402
@@ -214,15 +214,6 @@ def check_subclass_and_guards():
     else:
         raise AssertionError("a second backward with backward_passes_per_step=1 must raise")
     opt.synchronize()
-
-
-def expect_everywhere(build, text):
-    try:
-        build()
-    except HvcommError as e:
-        assert text in str(e), f"{text!r} not in {e}"
-        return
-    raise AssertionError(f"no error mentioning {text!r}")
 
 
 def check_bad_input():

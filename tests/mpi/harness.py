@@ -7,6 +7,18 @@ import traceback
 
 from mpi4py import MPI
 
+from collectives.errors import HvcommError
+
+
+def expect_everywhere(call, text):
+    """``call()`` raises HvcommError mentioning ``text`` (on this rank; every rank runs it)."""
+    try:
+        call()
+    except HvcommError as e:
+        assert text in str(e), f"{text!r} not in {e}"
+        return
+    raise AssertionError(f"no error mentioning {text!r}")
+
 
 class Checks:
     """Collect failures per rank; ``finish`` combines them so every rank ends alike."""
