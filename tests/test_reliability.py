@@ -17,7 +17,7 @@ def run(n, *args, env=None, timeout=120):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_stall_is_reported_with_the_missing_rank(n):
-    proc, _ = run(n, "stall", "7", env={"HVCOMM_STALL_CHECK_S": "2"})
+    proc, _ = run(n, "stall", "10", env={"HVCOMM_STALL_CHECK_S": "2"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert f"ranks [{n - 1}] have not submitted it" in out, out[-3000:]
