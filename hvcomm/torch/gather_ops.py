@@ -179,7 +179,7 @@ def _object_job(what: str, fn: Callable[[MPI.Comm], Any], process_set) -> Any:
         negotiate(comm, (what,), what)
         return fn(comm)
 
-    return engine.submit(job, comm=comm_of(process_set)).wait()
+    return engine.submit(job, what.upper(), comm_of(process_set)).wait()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name=None,
