@@ -65,20 +65,11 @@ def test_compression_in_the_optimizer(n):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_schedules_change_timing_not_weights(n):
-    mpirun(n, "check_schedule.py", timeout=400)
-
-
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_delayed_synchronisation(n):
-    mpirun(n, "check_delayed.py", timeout=300)
-
-
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_collectives_match_serial_reference(n):
-    mpirun(n, "check_collectives_property.py", timeout=180)
-
-
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_horovod_api_beyond_the_core(n):
-    mpirun(n, "check_horovod_api.py", timeout=180)
+@pytest.mark.parametrize("script, timeout", [
+    ("check_schedule.py", 400),               # schedules change timing, never weights
+    ("check_delayed.py", 300),                # OD / SSD / CD-SGD
+    ("check_collectives_property.py", 180),   # every collective against a serial reference
+    ("check_horovod_api.py", 180),            # Horovod's API beyond the core
+])
+def test_at_one_to_three_ranks(script, timeout, n):
+    mpirun(n, script, timeout=timeout)
