@@ -158,7 +158,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         counts = [rows // size + (r < rows % size) for r in range(size)]
         lo = sum(counts[:comm.Get_rank()])
         mine = out[lo:lo + counts[comm.Get_rank()]].clone()
-        scale_(mine, postscale_factor / size if op == Average else postscale_factor)
+        scale_(mine, postscale_factor, size if op == Average else 1)
         return mine.to(tensor.device)
 
     return submit("reducescatter", name, job, lambda res: res, process_set)

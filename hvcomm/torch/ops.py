@@ -117,16 +117,19 @@ def check_reducible(what: str, dtype: torch.dtype) -> None:
                           "take any dtype)", everywhere=True)
 
 
-def scale_(tensor: torch.Tensor, factor: float) -> None:
-    """Multiply in place as Horovod scales: integers in float64 and float16/bfloat16 in
-    float32, the product cast back to the tensor's dtype (integers truncated towards zero)."""
-    if factor == 1.0:
+def scale_(tensor: torch.Tensor, factor: float, divisor: int = 1) -> None:
+    """Multiply by ``factor / divisor`` in place as Horovod scales: integers in float64 and
+    float16/bfloat16 in float32, cast back to the tensor's dtype (integers truncated towards
+    zero). The division by ``divisor`` (the size, for an average) is a division, not a product
+    with its reciprocal: an average is the correctly rounded quotient (and for integers the
+    exact truncated one), as a serial ``sum / size`` gives."""
+    if factor == 1.0 and divisor == 1:
         return
     if tensor.dtype in (torch.float32, torch.float64):
-        tensor.mul_(factor)
+        tensor.mul_(factor).div_(divisor)
     else:
         wide = torch.float32 if tensor.dtype.is_floating_point else torch.float64
-        tensor.copy_(tensor.to(wide) * factor)
+        tensor.copy_(tensor.to(wide) * factor / divisor)
 
 
 def _reduce_in_place(comm: MPI.Comm, tensor: torch.Tensor, op: str) -> None:
@@ -189,7 +192,7 @@ def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: t
             adasum_(comm, out)
         else:
             _reduce_in_place(comm, out, op)
-        scale_(out, postscale / comm.Get_size() if op == Average else postscale)
+        scale_(out, postscale, comm.Get_size() if op == Average else 1)
 
     def finish(_):
         if target is not None:

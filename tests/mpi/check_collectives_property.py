@@ -49,13 +49,14 @@ def laid_out(x, contiguous):
     return view
 
 
-def scaled(t, factor):
-    """Horovod's scaling: integers in float64, float16/bfloat16 in float32, cast back."""
-    if factor == 1.0:
+def scaled(t, factor, divisor=1):
+    """Horovod's scaling (integers in float64, float16/bfloat16 in float32, cast back), the
+    average a division by the size."""
+    if factor == 1.0 and divisor == 1:
         return t
     if t.dtype in (torch.float32, torch.float64):
-        return t * factor
-    return (t.to(WIDE.get(t.dtype, torch.float64)) * factor).to(t.dtype)
+        return t * factor / divisor
+    return (t.to(WIDE.get(t.dtype, torch.float64)) * factor / divisor).to(t.dtype)
 
 
 def reference_allreduce(xs, op, prescale, postscale, fp16):
@@ -66,7 +67,7 @@ def reference_allreduce(xs, op, prescale, postscale, fp16):
     stacked = torch.stack([x.double() for x in xs])
     total = {hvd.Sum: stacked.sum(0), hvd.Average: stacked.sum(0), hvd.Min: stacked.min(0)[0],
              hvd.Max: stacked.max(0)[0], hvd.Product: stacked.prod(0)}[op].to(xs[0].dtype)
-    out = scaled(total, postscale / len(xs) if op == hvd.Average else postscale)
+    out = scaled(total, postscale, len(xs) if op == hvd.Average else 1)
     return out.to(dtype)
 
 

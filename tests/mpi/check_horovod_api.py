@@ -96,13 +96,15 @@ def check_autograd():
 def check_join():
     r, n = hvd.rank(), hvd.size()
     for first in range(n):
-        t = torch.arange(6, dtype=torch.int64).reshape(2, 3) * 10 - 7
+        t = torch.arange(6, dtype=torch.int64).reshape(2, 3) * 33 - 99  # multiples of 3 too
         if r == first:
             last = hvd.join()
         else:
             avg = hvd.allreduce(t, op=hvd.Average)
             # the joined rank contributed zeros; integers are truncated, as in Horovod
             assert torch.equal(avg, torch.div(t * (n - 1), n, rounding_mode="trunc")), avg
+            f = t.double() * 3.3
+            assert torch.equal(hvd.allreduce(f, op=hvd.Average), f * (n - 1) / n)
             if n > 1:
                 expect_everywhere(lambda: hvd.allgather(t), "join()")
             last = hvd.join()
