@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from collectives.errors import HvcommError
 
@@ -104,12 +104,15 @@ def cleanup_stale() -> None:
             _sh("ip", "netns", "del", name, check=False)
 
 
+def _namespace_pids(ns: str) -> List[int]:
+    return [int(pid) for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+
+
 def _kill_namespace_processes(ns: str) -> None:
-    pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
-    for pid in pids:
+    for pid in _namespace_pids(ns):
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
@@ -233,11 +236,18 @@ class EmulatedCluster:
     def mpirun(self, argv: Sequence[str], ranks_per_host: int = 1, timeout: float = 600,
                env=None, capture: bool = True) -> subprocess.CompletedProcess:
         """Run ``python -m mpi4py ARGV`` with ``ranks_per_host`` ranks on every host."""
+        return subprocess.run(self.mpirun_cmd(argv, ranks_per_host), env=self.mpirun_env(env),
+                              timeout=timeout, capture_output=capture, text=True)
+
+    def mpirun_env(self, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """The environment for ``mpirun_cmd``: ``env`` on top of the MPI settings."""
         first = self._agent_dir / self.addresses[0]  # mpirun's own host: a TMPDIR of its own
         first.mkdir(exist_ok=True)
-        env = launch.mpi_env({**(env or {}), "TMPDIR": str(first)})
-        return subprocess.run(self.mpirun_cmd(argv, ranks_per_host), env=env, timeout=timeout,
-                              capture_output=capture, text=True)
+        return launch.mpi_env({**(env or {}), "TMPDIR": str(first)})
+
+    def processes(self) -> List[int]:
+        """The processes running on the emulated hosts now."""
+        return [pid for i in range(self.hosts) for pid in _namespace_pids(self.namespace(i))]
 
 
 _FORWARD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH")

@@ -1,0 +1,89 @@
+"""Training that checkpoints every step and can resume: the script behind the kill -9 test.
+
+    train_resumable.py METHOD DIR STEPS [--resume] [--slow-after K]
+
+Every rank writes its own checkpoint after every step (model, optimizer with hvcomm's state:
+residuals, delayed weights, P3's deferred updates applied) to DIR/step<S>.rank<R>.pt, written
+to a temporary name and renamed, so a rank killed mid-write leaves the previous one intact.
+``--resume`` restarts from the newest step that every rank has finished saving (each rank's
+newest, then the minimum over the ranks). At the end each rank saves its weights to
+DIR/final.rank<R>.pt. ``--slow-after K`` sleeps 0.3 s after every step past K, to leave a
+killer time to strike mid-training; the sleep changes no value.
+"""
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import Checks  # noqa: E402
+from check_optimizer import Net, data, loss_fn, make_opt, shard  # noqa: E402
+
+import hvcomm.torch as hvd  # noqa: E402
+
+METHODS = {
+    "dense": {},
+    "gtopk": dict(compression=hvd.Compression.gtopk(0.1)),
+    "od": dict(delay=hvd.Delay("od", warmup_steps=2)),
+    "p3": dict(schedule="p3", slice_elems=100),
+}
+
+
+def saved_steps(directory: Path, rank: int):
+    pattern = re.compile(rf"step(\d+)\.rank{rank}\.pt$")
+    return sorted(int(m.group(1)) for f in directory.iterdir() if (m := pattern.match(f.name)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("method", choices=sorted(METHODS))
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--slow-after", type=int, default=None)
+    a = ap.parse_args()
+    hvd.init()
+    Checks()  # the size check: N unconnected one-rank jobs must not pass
+    r = hvd.rank()
+    model = Net(width=24)
+    kw = dict(METHODS[a.method])
+    if a.method == "p3":
+        kw["model"] = model
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   **kw)
+    start = 0
+    if a.resume:
+        mine = saved_steps(a.dir, r)
+        common = MPI.COMM_WORLD.allreduce(mine[-1] if mine else -1, op=MPI.MIN)
+        if common >= 0:
+            ckpt = torch.load(a.dir / f"step{common}.rank{r}.pt", weights_only=False)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            start = common + 1
+        if r == 0:
+            print(f"resuming after step {common}", flush=True)
+    (a.dir / f"pid.rank{r}").write_text(str(os.getpid()))
+    for s in range(start, a.steps):
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        loss_fn(model, shard(x, r), shard(y, r)).backward()
+        opt.step()
+        tmp = a.dir / f".step{s}.rank{r}.tmp"
+        torch.save({"optimizer": opt.state_dict(), "model": model.state_dict()}, tmp)
+        tmp.rename(a.dir / f"step{s}.rank{r}.pt")
+        if a.slow_after is not None and s >= a.slow_after:
+            time.sleep(0.3)
+    opt.finish_pending()
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+               a.dir / f"final.rank{r}.pt")
+    if r == 0:
+        print(f"OK size={hvd.size()} trained to step {a.steps}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
