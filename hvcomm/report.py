@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import platform
 import subprocess
 from pathlib import Path
@@ -41,6 +42,16 @@ def setting(**extra) -> Dict[str, str]:
 def _cpus() -> int:
     import os
     return len(os.sched_getaffinity(0))
+
+
+def weights_digest(named_tensors) -> str:
+    """sha256 of (name, tensor) pairs' names and bytes, in order: equal digests mean
+    bitwise-equal weights."""
+    h = hashlib.sha256()
+    for name, t in named_tensors:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def table(rows: Sequence[Dict], headers: Optional[Sequence[str]] = None, fmt: str = "github") -> str:

@@ -44,6 +44,72 @@ def plot(results, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_methods(args, methods, net, label):
+    """Each method in its own mpirun; the JSON each one's rank 0 wrote."""
+    results, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-main-"))
+    for m in methods:
+        print(f"== {m}: {args.ranks} ranks, {label}", flush=True)
+        results.append(netem.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
+                                                      str(args.epochs), "--batch",
+                                                      str(args.batch), "--delay-warmup",
+                                                      str(args.delay_warmup)], timeout=1800,
+                                         out=tmp / f"{m}.json", net=net, capture=False))
+    return results
+
+
+def write_report(name, args, label, results) -> None:
+    rows = [{"method": r["method"], "throughput (samples/s)": f"{r['throughput']:.0f}",
+             "bytes/iter/rank": f"{r['bytes_per_iter_per_rank']:,.0f}",
+             "final test acc": f"{r['final_test_acc']:.4f}",
+             "train time (s)": f"{r['train_time_s']:.2f}",
+             "final weights (sha256)": r["final_weights_sha256"][:16]} for r in results]
+    per_epoch = [{"epoch": e + 1, **{r["method"]: f"{r['history'][e]['test_acc']:.4f}"
+                                     for r in results}} for e in range(args.epochs)]
+    text = report.table(rows)
+    print("\n" + text)
+    first = results[0]
+    png = report.RESULTS / f"{name}_accuracy.png"
+    report.RESULTS.mkdir(exist_ok=True)
+    plot(results, png, f"digits MLP, {args.ranks} ranks: test accuracy per epoch")
+    path = report.write(name, "Main job: digits MLP, methods compared", report.setting(
+        P=args.ranks, dataset="sklearn digits (1437 train / 360 test), same seeds for every method",
+        model=f"MLP 64-512-512-10 ({first['params']:,} parameters), SGD lr 0.05 momentum 0.9",
+        batch_per_rank=first["batch_per_rank"], epochs=args.epochs, network=label,
+        note="bytes: hvcomm counts what each rank sends (ring model for MPI's allreduce); "
+             "Horovod's are the ring model 2(P-1)/P*bytes. Sparse methods use error feedback; "
+             "'model' scope selects over the whole model, 'layerwise' per tensor. Final weights: "
+             "the first 16 hex digits of the sha256 of the tested weights' bytes",
+        delayed=f"od/ssd/cd-sgd: {args.delay_warmup} synchronous warm-up steps, local lr 0.2 "
+                "(4x), k=5 (ssd: local weights reset to the global ones every 5 steps, GLU 1.0; "
+                "cd: 2-bit threshold 0.5, every 5th step in full precision); test accuracy "
+                "of the global weights"),
+        text + "\n\n## Test accuracy per epoch\n\n" + report.table(per_epoch)
+        + f"\n\n![accuracy]({png.name})")
+    print(f"written to {path.relative_to(report.ROOT)} and {png.relative_to(report.ROOT)}")
+
+
+def write_comparison(name, args, label, runs) -> None:
+    """Two runs of the same command side by side: accuracy per epoch and final weights."""
+    rows = []
+    for a, b in zip(*runs):
+        same_curve = [h["test_acc"] for h in a["history"]] == [h["test_acc"] for h in b["history"]]
+        rows.append({"method": a["method"],
+                     "final test acc (run 1, run 2)": f"{a['final_test_acc']:.4f}, "
+                                                      f"{b['final_test_acc']:.4f}",
+                     "every epoch's test acc equal": "yes" if same_curve else "NO",
+                     "final weights (run 1)": a["final_weights_sha256"][:16],
+                     "final weights (run 2)": b["final_weights_sha256"][:16],
+                     "bitwise equal": ("yes" if a["final_weights_sha256"]
+                                       == b["final_weights_sha256"] else "NO")})
+    text = report.table(rows)
+    print("\n" + text)
+    path = report.write(name, "Main job run twice: reproducibility", report.setting(
+        P=args.ranks, epochs=args.epochs, network=label,
+        runs=f"results/{args.name}.md and results/{args.name}_repeat.md, one after the other"),
+        text)
+    print(f"written to {path.relative_to(report.ROOT)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", "--ranks", type=int, default=4)
@@ -53,44 +119,19 @@ def main() -> None:
     ap.add_argument("--delay-warmup", type=int, default=100,
                     help="synchronous warm-up steps of od-sgd, ssd-sgd, cd-sgd")
     ap.add_argument("--name", default="main_job", help="results/<name>.md")
+    ap.add_argument("--repeat", action="store_true",
+                    help="run everything a second time (results/<name>_repeat.md) and compare "
+                         "the two runs' accuracies and final weights "
+                         "(results/<name>_reproducibility.md)")
     netem.add_net_option(ap)
     args = ap.parse_args()
     net, label = netem.resolve_net(args.net)
     methods = args.methods or methods_available()
-    results, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-main-"))
-    for m in methods:
-        print(f"== {m}: {args.ranks} ranks, {label}", flush=True)
-        results.append(netem.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
-                                                      str(args.epochs), "--batch",
-                                                      str(args.batch), "--delay-warmup",
-                                                      str(args.delay_warmup)], timeout=1800,
-                                         out=tmp / f"{m}.json", net=net, capture=False))
-    rows = [{"method": r["method"], "throughput (samples/s)": f"{r['throughput']:.0f}",
-             "bytes/iter/rank": f"{r['bytes_per_iter_per_rank']:,.0f}",
-             "final test acc": f"{r['final_test_acc']:.4f}",
-             "train time (s)": f"{r['train_time_s']:.2f}"} for r in results]
-    per_epoch = [{"epoch": e + 1, **{r["method"]: f"{r['history'][e]['test_acc']:.4f}"
-                                     for r in results}} for e in range(args.epochs)]
-    text = report.table(rows)
-    print("\n" + text)
-    first = results[0]
-    png = report.RESULTS / f"{args.name}_accuracy.png"
-    report.RESULTS.mkdir(exist_ok=True)
-    plot(results, png, f"digits MLP, {args.ranks} ranks: test accuracy per epoch")
-    path = report.write(args.name, "Main job: digits MLP, methods compared", report.setting(
-        P=args.ranks, dataset="sklearn digits (1437 train / 360 test), same seeds for every method",
-        model=f"MLP 64-512-512-10 ({first['params']:,} parameters), SGD lr 0.05 momentum 0.9",
-        batch_per_rank=first["batch_per_rank"], epochs=args.epochs, network=label,
-        note="bytes: hvcomm counts what each rank sends (ring model for MPI's allreduce); "
-             "Horovod's are the ring model 2(P-1)/P*bytes. Sparse methods use error feedback; "
-             "'model' scope selects over the whole model, 'layerwise' per tensor",
-        delayed=f"od/ssd/cd-sgd: {args.delay_warmup} synchronous warm-up steps, local lr 0.2 "
-                "(4x), k=5 (ssd: local weights reset to the global ones every 5 steps, GLU 1.0; "
-                "cd: 2-bit threshold 0.5, every 5th step in full precision); test accuracy "
-                "of the global weights"),
-        text + "\n\n## Test accuracy per epoch\n\n" + report.table(per_epoch)
-        + f"\n\n![accuracy]({png.name})")
-    print(f"written to {path.relative_to(report.ROOT)} and {png.relative_to(report.ROOT)}")
+    runs = [run_methods(args, methods, net, label) for _ in range(2 if args.repeat else 1)]
+    write_report(args.name, args, label, runs[0])
+    if args.repeat:
+        write_report(f"{args.name}_repeat", args, label, runs[1])
+        write_comparison(f"{args.name}_reproducibility", args, label, runs)
 
 
 if __name__ == "__main__":

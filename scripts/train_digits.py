@@ -16,6 +16,7 @@ import torch
 from sklearn.datasets import load_digits
 
 import hvcomm.torch as hvc
+from hvcomm import report
 
 HIDDEN = 512
 
@@ -138,6 +139,8 @@ def main() -> None:
         if rank == 0:
             print(f"[{args.method}] epoch {epoch + 1:3d}/{args.epochs}  loss {loss_avg:.4f}  "
                   f"test acc {acc:.4f}  ({train_time:.1f} s)", flush=True)
+    digests = MPI.COMM_WORLD.allgather(report.weights_digest(evaluated.named_parameters()))
+    digest = digests[0] if len(set(digests)) == 1 else "ranks differ"
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"method": args.method, "ranks": size, "epochs": args.epochs,
@@ -146,7 +149,8 @@ def main() -> None:
                        "throughput": samples / train_time, "train_time_s": train_time,
                        "bytes_per_iter_per_rank": float(np.mean(sent)),
                        "params": sum(p.numel() for p in model.parameters()),
-                       "final_test_acc": history[-1]["test_acc"]}, f)
+                       "final_test_acc": history[-1]["test_acc"],
+                       "final_weights_sha256": digest}, f)
 
 
 if __name__ == "__main__":

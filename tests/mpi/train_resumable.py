@@ -26,12 +26,39 @@ from check_optimizer import Net, data, loss_fn, make_opt, shard  # noqa: E402
 
 import hvcomm.torch as hvd  # noqa: E402
 
-METHODS = {
+C = hvd.Compression
+METHODS = {  # every synchronisation hvcomm offers, small enough for a few steps on 3 ranks
     "dense": {},
-    "gtopk": dict(compression=hvd.Compression.gtopk(0.1)),
+    "fp16": dict(compression=C.fp16),
+    "topk": dict(compression=C.topk(0.1)),
+    "gtopk": dict(compression=C.gtopk(0.1)),
+    "randomk": dict(compression=C.randomk(0.1)),
+    "twobit": dict(compression=C.twobit(0.01)),
+    "wfbp": dict(schedule="wfbp"),
     "od": dict(delay=hvd.Delay("od", warmup_steps=2)),
+    "ssd": dict(delay=hvd.Delay("ssd", warmup_steps=2, k=3)),
+    "cd": dict(delay=hvd.Delay("cd", warmup_steps=2, k=3), compression=C.twobit(0.01)),
     "p3": dict(schedule="p3", slice_elems=100),
 }
+
+
+def build(method: str):
+    """A fresh model (same initial weights everywhere) and its DistributedOptimizer."""
+    model = Net(width=24)
+    kw = dict(METHODS[method])
+    if method == "p3":
+        kw["model"] = model
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   **kw)
+    return model, opt
+
+
+def train_step(model, opt, step: int) -> None:
+    r = hvd.rank()
+    x, y = data(step, hvd.size())
+    opt.zero_grad()
+    loss_fn(model, shard(x, r), shard(y, r)).backward()
+    opt.step()
 
 
 def saved_steps(directory: Path, rank: int):
@@ -50,12 +77,7 @@ def main():
     hvd.init()
     Checks()  # the size check: N unconnected one-rank jobs must not pass
     r = hvd.rank()
-    model = Net(width=24)
-    kw = dict(METHODS[a.method])
-    if a.method == "p3":
-        kw["model"] = model
-    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
-                                   **kw)
+    model, opt = build(a.method)
     start = 0
     if a.resume:
         mine = saved_steps(a.dir, r)
@@ -69,10 +91,7 @@ def main():
             print(f"resuming after step {common}", flush=True)
     (a.dir / f"pid.rank{r}").write_text(str(os.getpid()))
     for s in range(start, a.steps):
-        x, y = data(s, hvd.size())
-        opt.zero_grad()
-        loss_fn(model, shard(x, r), shard(y, r)).backward()
-        opt.step()
+        train_step(model, opt, s)
         tmp = a.dir / f".step{s}.rank{r}.tmp"
         torch.save({"optimizer": opt.state_dict(), "model": model.state_dict()}, tmp)
         tmp.rename(a.dir / f"step{s}.rank{r}.pt")
