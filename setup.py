@@ -8,7 +8,7 @@ setup(
     "merged-gradient scheduling and delayed SGD, Horovod-compatible",
     packages=find_packages(include=["hvcomm", "hvcomm.*", "collectives", "collectives.*"]),
     python_requires=">=3.9",
-    install_requires=["mpi4py>=4.0", "numpy", "torch>=2.0", "tabulate"],
+    install_requires=["mpi4py>=4.0", "numpy", "numba", "torch>=2.0", "tabulate"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
                     "examples": ["scikit-learn", "matplotlib"]},
 )

@@ -1,18 +1,19 @@
 """Sparse gradient collectives: gTopKAllReduce (log P tree) and the Top-k AllGather baseline."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import check_agree
+from . import kernels
+from .errors import HvcommError
 from .handle import Pending
 
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 DEFAULT_TAG = 7301
-_HEADER = np.dtype(np.int64).itemsize
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,15 @@ class SparseResult:
     result; pairs with ``reached == False`` belong back in the caller's residual.
     ``sent_bytes``: what this rank put on the wire (counted for gTop-k's own messages; the
     ring model for the allgather, whose algorithm belongs to the MPI library).
+    ``compute_s``: this rank's local compute inside the collective (checking and sorting its
+    input, merging, selecting, summing, the survival masks), wall-clock seconds.
     """
 
     indices: np.ndarray
     values: np.ndarray
     reached: np.ndarray
     sent_bytes: int = 0
+    compute_s: float = 0.0
 
 
 def index_dtype(d: int) -> np.dtype:
@@ -58,123 +62,238 @@ def merge_select(idx_a: np.ndarray, val_a: np.ndarray, idx_b: np.ndarray, val_b:
                  k: int) -> Tuple[np.ndarray, np.ndarray]:
     """One tree step: sum values at common indices, keep the k largest |sum|.
 
-    Each input holds unique indices. Ties in |sum| go to the lower index, so the result
-    depends only on the inputs. Output is sorted by index.
+    Each input is sorted by index with unique indices. Ties in |sum| go to the lower index,
+    so the result depends only on the inputs. Output is sorted by index. Linear time.
     """
-    idx = np.concatenate([idx_a, idx_b])
-    val = np.concatenate([val_a, val_b])
-    order = np.argsort(idx, kind="stable")  # two sorted runs: a linear merge; a before b
-    idx, val = idx[order], val[order]
-    first = np.ones(idx.size, bool)
-    first[1:] = idx[1:] != idx[:-1]
-    starts = np.flatnonzero(first)
-    uniq = idx[starts]
-    sums = np.add.reduceat(val, starts) if idx.size else val
-    if uniq.size <= k:
-        return uniq, sums
-    keep = select_topk(sums, k)  # positions ascending = indices ascending (uniq is sorted)
-    return uniq[keep], sums[keep]
+    if idx_a.dtype != idx_b.dtype:
+        idx_a, idx_b = idx_a.astype(np.int64), idx_b.astype(np.int64)
+    vdt = np.result_type(val_a, val_b)
+    n_in = idx_a.size + idx_b.size
+    idx, val = np.empty(n_in, idx_a.dtype), np.empty(n_in, vdt)
+    n = kernels.merge_sum(idx_a, val_a.astype(vdt, copy=False), idx_b,
+                          val_b.astype(vdt, copy=False), idx, val)
+    return _keep_topk(idx, val, n, k)
 
 
-def _pack(idx: np.ndarray, val: np.ndarray, mask: Optional[np.ndarray] = None) -> np.ndarray:
-    parts = [np.array([idx.size], np.int64).view(np.uint8), idx.view(np.uint8), val.view(np.uint8)]
-    if mask is not None:
-        parts.append(mask.view(np.uint8))
-    return np.concatenate(parts)
+def _keep_topk(idx: np.ndarray, val: np.ndarray, n: int, k: int):
+    """The k largest |val| of the first n index-sorted pairs, in index order (linear time)."""
+    if n <= k:
+        return idx[:n], val[:n]
+    mag = np.abs(val[:n])
+    cut = np.partition(mag, n - k)[n - k]
+    out_idx, out_val = np.empty(k, idx.dtype), np.empty(k, val.dtype)
+    kernels.keep_above(idx, val, n, k, cut, out_idx, out_val)
+    return out_idx, out_val
 
 
-def _unpack(buf: np.ndarray, idt: np.dtype, vdt: np.dtype, mask_len: int = 0):
-    n = int(buf[:_HEADER].view(np.int64)[0])
-    i0, v0 = _HEADER, _HEADER + n * idt.itemsize
-    m0 = v0 + n * vdt.itemsize
-    return (buf[i0:v0].view(idt), buf[v0:m0].view(vdt),
-            buf[m0:m0 + mask_len].view(np.bool_))
+# -- input checks, carried in the messages themselves ---------------------------------------
+# Every message of a sparse collective starts with a small header: the sender's status (0, or
+# the code of a problem with some rank's input), who it is about, and the sender's signature
+# (d, k, value dtype). A receiver compares the signature with its own, so a disagreement or a
+# malformed input anywhere reaches every rank through the collective's own messages: every
+# rank raises the same HvcommError, with no extra collective on the hot path.
+PROBLEMS = {
+    1: "indices and values must be numpy arrays",
+    2: "indices and values must be 1-D arrays of equal length",
+    3: "indices and values must be contiguous (use np.ascontiguousarray)",
+    4: "indices must be int32 or int64",
+    5: "d needs int64 indices (see collectives.index_dtype)",
+    6: "values must be float32 or float64",
+    7: "d must be a positive integer",
+    8: "k must be an integer in [1, d]",
+    9: "more pairs than k",
+    10: "indices must lie in [0, d)",
+    11: "indices must be unique within a rank",
+    12: "values contain NaN or Inf; check the gradients (loss scale, learning rate)",
+}
+DISAGREE = 99
+_DTYPE_CODE = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
+_DTYPE_NAME = {1: "float32", 2: "float64", -1: "?"}
+# header fields: status, pairs, mask length, then (rank, d, k, dtype) of whom it is about,
+# and of the other party of a disagreement
+STATUS, N, M, RANK, D, K, DT, RANK2, D2, K2, DT2 = range(11)
+HEADER_LEN = 11
 
 
-def _isin_sorted(a: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    if sorted_set.size == 0:
-        return np.zeros(a.size, bool)
-    pos = np.minimum(np.searchsorted(sorted_set, a), sorted_set.size - 1)
-    return sorted_set[pos] == a
+@dataclass
+class _Input:
+    """One rank's input, sorted by index, with its header (status and signature)."""
+    indices: np.ndarray
+    values: np.ndarray
+    order: Optional[np.ndarray]  # input position of each sorted pair; None: already sorted
+    header: np.ndarray
+    compute_s: float             # the time the checks and the sort took
 
 
-def _local_error(indices, values, d, k) -> Optional[str]:
+def _structural_problem(indices, values, d, k) -> int:
     if not isinstance(indices, np.ndarray) or not isinstance(values, np.ndarray):
-        return "indices and values must be numpy arrays"
+        return 1
     if indices.ndim != 1 or values.ndim != 1 or indices.size != values.size:
-        return (f"indices and values must be 1-D of equal length, got shapes "
-                f"{indices.shape} and {values.shape}")
+        return 2
     if not (indices.flags.c_contiguous and values.flags.c_contiguous):
-        return "indices and values must be contiguous (use np.ascontiguousarray)"
+        return 3
     if indices.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-        return f"indices must be int32 or int64, got {indices.dtype}"
-    if indices.dtype == np.int32 and d > 2**31:
-        return f"d = {d} needs int64 indices (see collectives.index_dtype)"
+        return 4
     if values.dtype not in VALUE_DTYPES:
-        return f"values must be float32 or float64, got {values.dtype}"
+        return 6
     if not (isinstance(d, (int, np.integer)) and d > 0):
-        return f"d must be a positive integer, got {d!r}"
+        return 7
+    if indices.dtype == np.int32 and d > 2**31:
+        return 5
     if k is not None and not (isinstance(k, (int, np.integer)) and 0 < k <= d):
-        return f"k must be an integer in [1, d={d}], got {k!r}"
+        return 8
     if k is not None and indices.size > k:
-        return f"got {indices.size} pairs, more than k = {k}"
-    if indices.size and (indices.min() < 0 or indices.max() >= d):
-        return f"indices must lie in [0, {d}), got range [{indices.min()}, {indices.max()}]"
-    if np.unique(indices).size != indices.size:
-        return "indices must be unique within a rank"
-    if not np.isfinite(values).all():
-        return "values contain NaN or Inf; check the gradients (loss scale, learning rate)"
-    return None
+        return 9
+    return 0
 
 
-def _check(comm, indices, values, d, k, what):
-    err = _local_error(indices, values, d, k)
-    key = (int(d) if isinstance(d, (int, np.integer)) else d, k,
-           str(getattr(values, "dtype", None)) if err is None else None)
-    check_agree(comm, key if err is None else None, what, err)
+def _prepare(comm, indices, values, d, k, check: bool) -> _Input:
+    """This rank's pairs sorted by index (one linear pass when they already are), checked,
+    with the header that carries the verdict. ``check=False`` skips the range and
+    finiteness checks, not the structural ones or the signature comparison."""
+    t0 = time.perf_counter()
+    header = np.zeros(HEADER_LEN, np.int64)
+    header[RANK], header[RANK2] = comm.Get_rank(), -1
+    problem = _structural_problem(indices, values, d, k)
+    if problem:
+        header[STATUS], header[D:DT + 1] = problem, -1
+        return _Input(np.empty(0, np.int64), np.empty(0), None, header, 0.0)
+    header[D], header[K], header[DT] = d, -1 if k is None else k, _DTYPE_CODE[values.dtype]
+    order = None
+    state = kernels.sorted_unique_in_range(indices, d)
+    if state == 1:  # out of order: sort (the only O(k log k) case), then look again
+        order = np.argsort(indices, kind="stable")
+        indices, values = indices[order], values[order]
+        state = kernels.sorted_unique_in_range(indices, d)
+        if state == 1:
+            header[STATUS] = 11
+    if check and state == 2:
+        header[STATUS] = 10
+    if check and not header[STATUS] and not kernels.all_finite(values):
+        header[STATUS] = 12
+    indices = indices.astype(index_dtype(d), copy=False)
+    return _Input(indices, values, order, header, time.perf_counter() - t0)
 
 
-def _gtopk_schedule(comm, indices, values, d, k, tag):
-    rank, size = comm.Get_rank(), comm.Get_size()
-    idt, vdt = index_dtype(d), values.dtype
-    order = np.argsort(indices, kind="stable")
-    own_idx = indices[order].astype(idt)
-    cur_idx, cur_val = own_idx, values[order]
-    max_msg = _HEADER + k * (idt.itemsize + vdt.itemsize)
-    history = []  # (child, indices before merge, child's indices) per merge, in round order
-    parent, sent = None, 0
+def _absorb(mine: np.ndarray, theirs: np.ndarray) -> None:
+    """Fold a received header into this rank's: the first problem seen wins."""
+    if mine[STATUS]:
+        return
+    if theirs[STATUS]:
+        mine[STATUS], mine[RANK:] = theirs[STATUS], theirs[RANK:]
+    elif not np.array_equal(mine[D:DT + 1], theirs[D:DT + 1]):
+        mine[RANK2:] = mine[RANK:DT + 1]
+        mine[RANK:DT + 1] = theirs[RANK:DT + 1]
+        mine[STATUS] = DISAGREE
+
+
+def _raise_if_problem(header: np.ndarray, what: str) -> None:
+    status = int(header[STATUS])
+    if not status:
+        return
+    if status == DISAGREE:
+        def sig(at):
+            k = header[at + 2]
+            return (f"rank {header[at]}: d={header[at + 1]}, k={'None' if k < 0 else k}, "
+                    f"dtype={_DTYPE_NAME[int(header[at + 3])]}")
+        raise HvcommError(f"{what}: ranks disagree ({sig(RANK)}; {sig(RANK2)}); every rank "
+                          "must pass the same d, k and value dtype", everywhere=True)
+    raise HvcommError(f"{what}: rank {header[RANK]}: {PROBLEMS[status]}", everywhere=True)
+
+
+def _pair_dtypes(header: np.ndarray, idt, vdt):
+    """The index and value dtypes of the pairs that follow a header (own ones if unknown)."""
+    if header[D] > 0 and int(header[DT]) in _DTYPE_NAME and header[DT] > 0:
+        return index_dtype(int(header[D])), np.dtype(_DTYPE_NAME[int(header[DT])])
+    return idt, vdt
+
+
+def _children(rank: int, size: int):
+    """The ranks this rank receives from in the binomial tree, in round order."""
+    out = []
     for r in range(ceil_log2(size)):
         step = 1 << r
         if rank % (2 * step) == step:
-            parent, msg = rank - step, _pack(cur_idx, cur_val)
-            sent += msg.nbytes
-            yield [comm.Isend(msg, dest=parent, tag=tag)]
             break
-        child = rank + step
-        if child < size:
-            buf = np.empty(max_msg, np.uint8)
-            yield [comm.Irecv(buf, source=child, tag=tag)]
-            c_idx, c_val, _ = _unpack(buf, idt, vdt)
-            history.append((child, cur_idx, c_idx.copy()))
-            cur_idx, cur_val = merge_select(cur_idx, cur_val, c_idx, c_val, k)
+        if rank + step < size:
+            out.append(rank + step)
+    return out
+
+
+def _gtopk_schedule(comm, mine: _Input, k, tag):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    head = mine.header
+    idt, vdt = mine.indices.dtype, mine.values.dtype
+    cur_idx, cur_val = mine.indices, mine.values
+    children = _children(rank, size)
+    parent = None if rank == 0 else rank - (rank & -rank)
+    history, sent = [], 0  # (child, indices before merge, child's indices) per merge
+    compute = mine.compute_s
+    for child in children:  # up: a header, then the child's indices and values
+        theirs = np.empty(HEADER_LEN, np.int64)
+        yield [comm.Irecv(theirs, source=child, tag=tag)]
+        c_idt, c_vdt = _pair_dtypes(theirs, idt, vdt)  # the sender's, even if they differ
+        c_idx, c_val = np.empty(theirs[N], c_idt), np.empty(theirs[N], c_vdt)
+        yield [comm.Irecv(c_idx, source=child, tag=tag), comm.Irecv(c_val, source=child, tag=tag)]
+        _absorb(head, theirs)
+        if head[STATUS]:
+            continue
+        history.append((child, cur_idx, c_idx))
+        t0 = time.perf_counter()
+        merged_idx = np.empty(cur_idx.size + c_idx.size, idt)
+        merged_val = np.empty(cur_idx.size + c_idx.size, vdt)
+        n = kernels.merge_sum(cur_idx, cur_val, c_idx, c_val, merged_idx, merged_val)
+        cur_idx, cur_val = _keep_topk(merged_idx, merged_val, n, k)
+        compute += time.perf_counter() - t0
     if parent is None:
         final_idx, final_val, survived = cur_idx, cur_val, cur_idx
     else:
-        buf = np.empty(max_msg + cur_idx.size, np.uint8)
-        yield [comm.Irecv(buf, source=parent, tag=tag)]
-        final_idx, final_val, mask = _unpack(buf, idt, vdt, cur_idx.size)
-        final_idx, final_val, survived = final_idx.copy(), final_val.copy(), cur_idx[mask]
-    sends, msgs = [], []
-    for child, before, child_idx in reversed(history):
-        msgs.append(_pack(final_idx, final_val, _isin_sorted(child_idx, survived)))
-        sent += msgs[-1].nbytes
-        sends.append(comm.Isend(msgs[-1], dest=child, tag=tag))
-        survived = before[_isin_sorted(before, survived)]
+        head[N] = 0 if head[STATUS] else cur_idx.size
+        up = (head.copy(), cur_idx[:head[N]], cur_val[:head[N]])
+        sent += sum(m.nbytes for m in up)
+        yield [comm.Isend(m, dest=parent, tag=tag) for m in up]
+        # down: a header, then the final pairs and the mask of what this rank sent up
+        theirs = np.empty(HEADER_LEN, np.int64)
+        yield [comm.Irecv(theirs, source=parent, tag=tag)]
+        final_idx, final_val = np.empty(theirs[N], idt), np.empty(theirs[N], vdt)
+        mask = np.empty(theirs[M], np.bool_)
+        yield [comm.Irecv(final_idx, source=parent, tag=tag),
+               comm.Irecv(final_val, source=parent, tag=tag),
+               comm.Irecv(mask, source=parent, tag=tag)]
+        head[:] = theirs
+        survived = cur_idx[mask] if not head[STATUS] else cur_idx[:0]
+    sends = []
+    if head[STATUS]:  # every child hears of the problem, and nothing else
+        down = head.copy()
+        down[N] = down[M] = 0
+        for child in children:
+            sends += [comm.Isend(m, dest=child, tag=tag)
+                      for m in (down, final_idx[:0], final_val[:0], np.empty(0, np.bool_))]
+    else:
+        for child, before, child_idx in reversed(history):
+            t0 = time.perf_counter()
+            mask = kernels.in_sorted(child_idx, survived)
+            compute += time.perf_counter() - t0
+            down = head.copy()
+            down[N], down[M] = final_idx.size, mask.size
+            for m in (down, final_idx, final_val, mask):
+                sent += m.nbytes
+                sends.append(comm.Isend(m, dest=child, tag=tag))
+            t0 = time.perf_counter()
+            survived = before[kernels.in_sorted(before, survived)]
+            compute += time.perf_counter() - t0
     if sends:
         yield sends
-    reached = np.empty(indices.size, bool)
-    reached[order] = _isin_sorted(own_idx, survived)
-    return SparseResult(final_idx, final_val, reached, sent)
+    _raise_if_problem(head, "gtopk_allreduce")
+    t0 = time.perf_counter()
+    reached_sorted = kernels.in_sorted(mine.indices, survived)
+    if mine.order is None:
+        reached = reached_sorted
+    else:
+        reached = np.empty(reached_sorted.size, bool)
+        reached[mine.order] = reached_sorted
+    compute += time.perf_counter() - t0
+    return SparseResult(final_idx, final_val, reached, sent, compute)
 
 
 def igtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int, k: int,
@@ -195,12 +314,15 @@ def igtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d:
     Cost: 2 * ceil(log2 P) * (alpha + k*(w_idx + w_val)*beta), plus k mask bytes per
     downward step. The mask tells each child which of the pairs it sent up reached the
     result, so a pair dropped at any tree level is reported back to its owner exactly.
-    With ``check`` (default) one small allgather first verifies d, k and dtype agree on all
-    ranks and that no rank's input is malformed; every rank raises together if not.
+    Every message carries a small header with the sender's (d, k, dtype) and the status of
+    the inputs it has seen, so a disagreement between ranks or a malformed input on any rank
+    makes every rank raise the same HvcommError at the end of the collective, at no extra
+    message cost. With ``check`` (default) each rank also checks that its indices lie in
+    [0, d) and its values are finite (linear time). Indices may come in any order: sorted
+    input costs one pass, unsorted input is sorted first.
     """
-    if check:
-        _check(comm, indices, values, d, k, "gtopk_allreduce")
-    return Pending(_gtopk_schedule(comm, indices, values, int(d), int(k), tag))
+    mine = _prepare(comm, indices, values, d, k, check)
+    return Pending(_gtopk_schedule(comm, mine, k, tag))
 
 
 def gtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int, k: int,
@@ -209,40 +331,45 @@ def gtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
     return igtopk_allreduce(comm, indices, values, d, k, tag=tag, check=check).wait()
 
 
-def sum_sparse(idx: np.ndarray, val: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Sum values that share an index, in input order; returns sorted unique indices."""
-    uniq, inv = np.unique(idx, return_inverse=True)
-    sums = np.zeros(uniq.size, val.dtype)
-    np.add.at(sums, inv, val)
-    return uniq, sums
-
-
-def _allgather_schedule(comm, indices, values, d):
+def _allgather_schedule(comm, mine: _Input):
     size = comm.Get_size()
-    idt = index_dtype(d)
-    counts = np.empty(size, np.int64)
-    yield [comm.Iallgather(np.array([indices.size], np.int64), counts)]
-    all_idx = np.empty(int(counts.sum()), idt)
-    all_val = np.empty(int(counts.sum()), values.dtype)
-    send_idx = np.ascontiguousarray(indices, dtype=idt)
-    yield [comm.Iallgatherv(send_idx, (all_idx, counts)),
-           comm.Iallgatherv(values, (all_val, counts))]
-    uniq, sums = sum_sparse(all_idx, all_val)
-    pair_bytes = idt.itemsize + values.dtype.itemsize
-    ring = 0 if size == 1 else int(counts.sum() - counts[(comm.Get_rank() + 1) % size]) * pair_bytes
-    return SparseResult(uniq, sums, np.ones(indices.size, bool), ring + 8 * (size - 1))
+    idt, vdt = mine.indices.dtype, mine.values.dtype
+    head = mine.header
+    head[N] = 0 if head[STATUS] else mine.indices.size
+    heads = np.empty((size, HEADER_LEN), np.int64)
+    yield [comm.Iallgather(head.copy(), heads)]
+    head = heads[0].copy()
+    for theirs in heads[1:]:  # every rank folds the same headers in the same order
+        _absorb(head, theirs)
+    _raise_if_problem(head, "topk_allgather")
+    counts = heads[:, N]
+    total = int(counts.sum())
+    all_idx, all_val = np.empty(total, idt), np.empty(total, vdt)
+    yield [comm.Iallgatherv(mine.indices, (all_idx, counts)),
+           comm.Iallgatherv(mine.values, (all_val, counts))]
+    t0 = time.perf_counter()
+    starts = np.zeros(size + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    out_idx, out_val = np.empty(total, idt), np.empty(total, vdt)
+    n = kernels.sum_runs(all_idx, all_val, starts, out_idx, out_val)
+    pair_bytes = idt.itemsize + vdt.itemsize
+    ring = 0 if size == 1 else int(total - counts[(comm.Get_rank() + 1) % size]) * pair_bytes
+    return SparseResult(out_idx[:n], out_val[:n], np.ones(mine.indices.size, bool),
+                        ring + head.nbytes * (size - 1),
+                        mine.compute_s + time.perf_counter() - t0)
 
 
 def itopk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int,
                     k: Optional[int] = None, *, check: bool = True) -> Pending:
     """Start Top-k AllGather: every rank gathers all ranks' pairs and sums them.
 
-    Ranks may pass different numbers of pairs. Volume O(kP):
-    cost ~ 2*ceil(log2 P)*alpha + (P-1)*k*(w_idx + w_val)*beta (counts, then pairs).
+    Ranks may pass different numbers of pairs (at most k each, when k is given). Volume
+    O(kP): cost ~ 2*ceil(log2 P)*alpha + (P-1)*k*(w_idx + w_val)*beta (headers with the
+    counts, then pairs). The gathered runs are summed by one heap merge in rank order.
+    Checks as for :func:`igtopk_allreduce`; the headers travel with the counts.
     """
-    if check:
-        _check(comm, indices, values, d, k, "topk_allgather")
-    return Pending(_allgather_schedule(comm, indices, values, int(d)))
+    mine = _prepare(comm, indices, values, d, k, check)
+    return Pending(_allgather_schedule(comm, mine))
 
 
 def topk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int,

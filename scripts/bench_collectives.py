@@ -1,5 +1,6 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
-alpha-beta prediction, and the bytes each rank sends.
+alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
+each rank sends. The sparse collectives run with their default settings (input check on).
 
 Driver (default): one mpirun per P; prints and writes results/collectives_<net>.md.
 Worker (--worker, under mpirun): times every (d, density) on its communicator.
@@ -35,18 +36,26 @@ def worker(args) -> None:
             out = np.empty_like(grad)
             t_dense = C.time_collective(
                 comm, lambda: C.allreduce(comm, grad, out, check=False), args.repeats)
-            res = {}
-            t_ag = C.time_collective(comm, lambda: res.__setitem__(
-                "ag", C.topk_allgather(comm, idx, val, d, k, check=False)), args.repeats)
-            t_gt = C.time_collective(comm, lambda: res.__setitem__(
-                "gt", C.gtopk_allreduce(comm, idx, val, d, k, check=False)), args.repeats)
-            sent = np.array([res["ag"].sent_bytes, res["gt"].sent_bytes], np.int64)
+            res = {"ag": [], "gt": []}
+            t_ag = C.time_collective(comm, lambda: res["ag"].append(
+                C.topk_allgather(comm, idx, val, d, k)), args.repeats)
+            t_gt = C.time_collective(comm, lambda: res["gt"].append(
+                C.gtopk_allreduce(comm, idx, val, d, k)), args.repeats)
+            sent = np.array([res["ag"][-1].sent_bytes, res["gt"][-1].sent_bytes], np.int64)
             comm.Allreduce(MPI.IN_PLACE, sent, op=MPI.MAX)
+            # local compute: this rank's median over the timed calls, then the slowest rank
+            compute = np.array([np.median([x.compute_s for x in res[c][1:]]) for c in ("ag", "gt")])
+            comm.Allreduce(MPI.IN_PLACE, compute, op=MPI.MAX)
             rows.append({
                 "P": p, "d": d, "density": density, "k": k,
                 "dense s": t_dense, "dense model s": C.ring_allreduce_s(p, grad.nbytes, ab),
-                "allgather s": t_ag, "allgather model s": C.topk_allgather_s(p, k, pair, ab),
-                "gtopk s": t_gt, "gtopk model s": C.gtopk_allreduce_s(p, k, pair, ab),
+                "allgather s": t_ag, "allgather compute s": compute[0],
+                "allgather model s": C.topk_allgather_s(p, k, pair, ab),
+                "gtopk s": t_gt, "gtopk compute s": compute[1],
+                "gtopk model s": C.gtopk_allreduce_s(p, k, pair, ab),
+                "allgather / dense": t_ag / t_dense, "gtopk / dense": t_gt / t_dense,
+                "allgather / model": t_ag / C.topk_allgather_s(p, k, pair, ab),
+                "gtopk / model": t_gt / C.gtopk_allreduce_s(p, k, pair, ab),
                 "dense MB sent": 2 * (p - 1) / p * grad.nbytes / 1e6,
                 "allgather MB sent": float(sent[0]) / 1e6, "gtopk MB sent": float(sent[1]) / 1e6,
             })
@@ -59,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8], help="values of P")
-    ap.add_argument("--d", type=int, nargs="*", default=[1_000_000, 25_000_000])
+    ap.add_argument("--d", type=int, nargs="*", default=[1_000_000, 26_214_400])
     ap.add_argument("--density", type=float, nargs="*", default=[0.01, 0.001])
     ap.add_argument("--repeats", type=int, default=5)
     netem.add_net_option(ap)

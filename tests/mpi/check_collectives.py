@@ -119,6 +119,7 @@ def expect_error_everywhere(comm, fn, text):
 def check_bad_input(comm):
     r = comm.Get_rank()
     idx, val = np.array([1, 5, 7], np.int32), np.array([1.0, -2.0, 3.0], np.float32)
+    idx5, val5 = np.array([0, 1, 5, 7, 9], np.int32), np.arange(5, dtype=np.float32)
     last = comm.Get_size() - 1
     bad = lambda cond, a, b: a if cond else b  # noqa: E731
     cases = [
@@ -126,6 +127,13 @@ def check_bad_input(comm):
         (lambda: C.gtopk_allreduce(comm, idx, val.astype(bad(r == last, np.float64, np.float32)),
                                    10, 3), "ranks disagree"),
         (lambda: C.gtopk_allreduce(comm, idx, val, 10, bad(r == last, 0, 3)), "k must be"),
+        # a rank with a larger k sends more pairs than the others expect: still an error
+        (lambda: C.gtopk_allreduce(comm, bad(r == last, idx5, idx), bad(r == last, val5, val),
+                                   10, bad(r == last, 5, 3)), "ranks disagree"),
+        (lambda: C.topk_allgather(comm, idx, val.astype(bad(r == last, np.float64, np.float32)),
+                                  10), "ranks disagree"),
+        (lambda: C.topk_allgather(comm, idx, val, bad(r == last, 11, 10)), "ranks disagree"),
+        (lambda: C.topk_allgather(comm, idx, bad(r == last, val * np.inf, val), 10), "NaN"),
         (lambda: C.gtopk_allreduce(comm, idx, val, 2, 3), "k must be"),
         (lambda: C.gtopk_allreduce(comm, bad(r == last, -idx, idx), val, 10, 3), "must lie in"),
         (lambda: C.gtopk_allreduce(comm, bad(r == last, idx + 5, idx), val, 10, 3), "must lie in"),
