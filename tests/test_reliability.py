@@ -21,7 +21,7 @@ def test_a_stall_is_reported_with_the_missing_rank(n):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert f"ranks [{n - 1}] have not submitted it" in out, out[-3000:]
-    assert "late_one" in out and f"rank 0 sum {float(n)}" in out
+    assert "late_one (shape [4], torch.float32)" in out and f"rank 0 sum {float(n)}" in out
 
 
 def test_stall_shutdown_ends_the_job():

@@ -65,9 +65,11 @@ class Engine:
             item = self._jobs.get()
             if item is None:
                 return
-            job, handle, name, comm = item
+            job, handle, name, comm, detail = item
             timeline.cycle()
             label = name or getattr(job, "__qualname__", "job")
+            if detail:
+                label = f"{label} ({detail})"
             self.current = (label, time.monotonic())
             try:
                 if name is None:
@@ -116,13 +118,14 @@ class Engine:
                               "it forever. Call it after optimizer.step()")
 
     def submit(self, job: Callable[[Any], Any], name: Optional[str] = None,
-               comm: Any = None) -> Handle:
+               comm: Any = None, detail: Optional[str] = None) -> Handle:
         """Queue ``job(comm)``; ``comm`` defaults to the engine's communicator (a process
-        set's is derived from it); ``name`` labels its span on the timeline."""
+        set's is derived from it); ``name`` labels its span on the timeline; ``detail`` (the
+        tensor's shape and dtype) is added to the name in stall reports and errors."""
         if not self._thread.is_alive():
             raise RuntimeError("hvcomm engine is shut down; call hvcomm.torch.init() first")
         handle = Handle(self)
-        self._jobs.put((job, handle, name, self.comm if comm is None else comm))
+        self._jobs.put((job, handle, name, self.comm if comm is None else comm, detail))
         return handle
 
     @property

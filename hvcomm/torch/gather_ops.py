@@ -40,7 +40,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
         comm.Allgatherv(as_bits(src).ravel(), (as_bits(out).ravel(), counts))
         return out
 
-    return submit("allgather", name, job, lambda out: out.to(tensor.device), process_set)
+    return submit("allgather", name, job, lambda out: out.to(tensor.device), process_set, tensor)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
@@ -91,7 +91,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
             tensor.data.copy_(host)
         return tensor
 
-    return submit("broadcast", name, job, finish, process_set)
+    return submit("broadcast", name, job, finish, process_set, tensor)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
@@ -132,7 +132,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         comm.Alltoallv((as_bits(src).ravel(), send), (as_bits(out).ravel(), recv))
         return out.to(tensor.device), torch.tensor(received, dtype=torch.int32)
 
-    return submit("alltoall", name, job, lambda res: res, process_set)
+    return submit("alltoall", name, job, lambda res: res, process_set, tensor)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
@@ -161,7 +161,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         scale_(mine, postscale_factor, size if op == Average else 1)
         return mine.to(tensor.device)
 
-    return submit("reducescatter", name, job, lambda res: res, process_set)
+    return submit("reducescatter", name, job, lambda res: res, process_set, tensor)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,

@@ -61,14 +61,17 @@ def check_name(kind: str, name: Optional[str]) -> Optional[str]:
 
 
 def submit(kind: str, name: Optional[str], job: Callable[[MPI.Comm], Any],
-           finish: Callable[[Any], Any], process_set=None) -> int:
+           finish: Callable[[Any], Any], process_set=None,
+           tensor: Optional[torch.Tensor] = None) -> int:
     """Queue ``job`` on the engine (on the process set's communicator); returns the handle
-    whose synchronize() gives ``finish(job's result)``."""
+    whose synchronize() gives ``finish(job's result)``. ``tensor``'s shape and dtype show in
+    stall reports."""
     check_name(kind, name)
     comm = comm_of(process_set)
     hid = next(_next_handle)
     span = f"{kind.upper()} {kind}.{name or 'noname'}"  # Horovod's timeline names
-    _handles[hid] = (runtime().engine.submit(job, span, comm), finish,
+    detail = None if tensor is None else f"shape {list(tensor.shape)}, {tensor.dtype}"
+    _handles[hid] = (runtime().engine.submit(job, span, comm, detail), finish,
                      None if name is None else (kind, name))
     if name is not None:
         _names_in_flight.add((kind, name))
@@ -199,7 +202,7 @@ def _allreduce_into(out: torch.Tensor, target: Optional[torch.Tensor], result: t
             target.copy_(out)
         return result
 
-    return submit("allreduce", name, job, finish, process_set)
+    return submit("allreduce", name, job, finish, process_set, out)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
