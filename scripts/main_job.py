@@ -16,11 +16,20 @@ from hvcomm import netem, report
 SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
 
 
+# Random-k diverges on this job at the learning rate every other method shares (lr 0.05,
+# momentum 0.9), in both variants, at densities 0.01 and 0.1; at density 1.0 it equals dense.
+# Each coordinate is updated about every d/k steps: with error feedback it then receives d/k
+# steps' worth at once (amplified by momentum), unbiased it carries d/k times the variance.
+# Measured in results/randomk.md (python scripts/main_job.py --name randomk --methods
+# hvcomm-dense randomk-0.01 randomk-0.01-ef randomk-0.1 randomk-0.1-ef randomk-1.0).
+NOT_BY_DEFAULT = ("randomk",)
+
+
 def methods_available():
     spec = importlib.util.spec_from_file_location("train_digits", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    names = list(mod.METHODS)
+    names = [m for m in mod.METHODS if not m.startswith(NOT_BY_DEFAULT)]
     if importlib.util.find_spec("horovod") is None:
         names = [m for m in names if not m.startswith("horovod")]
     return names

@@ -63,7 +63,12 @@ METHODS = {
     "gtopk-0.001": hvcomm_method(C.gtopk(0.001, scope="model")),
     "gtopk-0.001-layerwise": hvcomm_method(C.gtopk(0.001, scope="layer")),
     "gtopk-0.001-warmup": hvcomm_method(C.gtopk(0.001, scope="model", warmup_steps=200)),
+    # random-k is not in the main job's default set: see scripts/main_job.py, results/randomk.md
     "randomk-0.01": hvcomm_method(C.randomk(0.01, scope="model")),
+    "randomk-0.01-ef": hvcomm_method(C.randomk(0.01, scope="model", variant="error_feedback")),
+    "randomk-0.1": hvcomm_method(C.randomk(0.1, scope="model")),
+    "randomk-0.1-ef": hvcomm_method(C.randomk(0.1, scope="model", variant="error_feedback")),
+    "randomk-1.0": hvcomm_method(C.randomk(1.0, scope="model")),
     "twobit-0.5": hvcomm_method(C.twobit(0.5)),
     # delayed synchronisation: --delay-warmup synchronous steps first, local learning rate
     # 4x the global one (as SSD-SGD's runs), k = 5 as the originals

@@ -161,20 +161,35 @@ class GTopKCompressor(TopKCompressor):
 
 class RandomKCompressor(Compressor):
     """k indices drawn alike on every rank (seeded by step and tensor), so the k values are
-    summed with a plain allreduce of k elements."""
+    summed with a plain allreduce of k elements. Two variants:
+
+    - ``"unbiased"`` (default): the k values are scaled by n/k and nothing is kept back, so
+      the sent vector is an unbiased estimate of the gradient (its variance grows as n/k);
+    - ``"error_feedback"``: sent unscaled, and what was not sent stays in a residual that is
+      added to the next step's gradient (each coordinate is sent about every n/k steps,
+      carrying what it gathered meanwhile).
+    """
 
     collective = "allreduce_values"
-    error_feedback = True
+    VARIANTS = ("unbiased", "error_feedback")
 
-    def __init__(self, density: float, seed: int = 0, scope: str = "layer"):
+    def __init__(self, density: float, seed: int = 0, scope: str = "layer",
+                 variant: str = "unbiased"):
+        if variant not in self.VARIANTS:
+            raise HvcommError(f"randomk variant must be one of {self.VARIANTS}, got {variant!r}")
         self.density, self.seed, self.scope = _check_density(density), seed, scope
+        self.variant = variant
+        self.error_feedback = variant == "error_feedback"
 
     def compress(self, tensor, step=0, key=""):
         flat = tensor.detach().reshape(-1)
         k = min(flat.numel(), max(1, int(self.density * flat.numel())))
         rng = np.random.default_rng([self.seed, step, zlib.crc32(key.encode())])
         idx = torch.from_numpy(np.sort(rng.choice(flat.numel(), k, replace=False)))
-        return flat[idx].contiguous(), (flat.numel(), idx, tensor.dtype)
+        values = flat[idx].contiguous()
+        if not self.error_feedback:
+            values.mul_(flat.numel() / k)
+        return values, (flat.numel(), idx, tensor.dtype)
 
     def decompress(self, payload, ctx):
         n, idx, dtype = ctx
@@ -190,7 +205,8 @@ class RandomKCompressor(Compressor):
         return _float_problem(dtypes, repr(self))
 
     def __repr__(self):
-        return f"Compression.randomk(density={self.density}, seed={self.seed}, scope={self.scope!r})"
+        return (f"Compression.randomk(density={self.density}, seed={self.seed}, "
+                f"scope={self.scope!r}, variant={self.variant!r})")
 
 
 class TwoBitCompressor(Compressor):

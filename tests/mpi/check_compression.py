@@ -132,6 +132,27 @@ def check_bad_input():
         expect_everywhere(lambda: hvd.DistributedOptimizer(
             make_opt(m), named_parameters=m.named_parameters(), compression=comp),
             "ranks hold different models")
+def check_randomk_unbiased():
+    """The unbiased random-k sends n/k times the gradient at k common indices and keeps no
+    residual; averaged over many steps its output is the gradient."""
+    comp, n = C.randomk(0.1), 997
+    k = int(0.1 * n)
+    memory = ErrorFeedback()
+    red = Reducer(runtime().engine, comp, memory)
+    bucket = Bucket([0], ["b"], [n])
+    for step in range(3):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + hvd.rank()))
+        job = red.start(bucket, g.clone(), step)
+        dense, _, _ = red.finish(job)
+        idx = job.ctx[1]
+        want = torch.zeros(n)
+        want[idx] = hvd.allreduce(g, op=hvd.Sum)[idx] * (n / k)
+        assert torch.allclose(dense, want, rtol=1e-12, atol=1e-12), step
+        assert memory.state_dict() == {}, "the unbiased variant keeps no residual"
+    g = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    mean = sum(comp.decompress(*comp.compress(g, step, "b")) for step in range(4000)) / 4000
+    # each coordinate is the mean of ~400 draws of n/k*g (variance (n/k - 1) g^2): 6 sigma
+    assert ((mean - g).abs() <= 6 * g.abs() * ((n / k - 1) / (4000 * k / n)) ** 0.5 + 1e-12).all()
 
 
 def main():
@@ -139,9 +160,11 @@ def main():
     hvd.init()
     checks = Checks()
     checks.run("density 1 equals dense", check_density_one_equals_dense)
-    for comp in (C.topk(0.05), C.gtopk(0.05), C.gtopk(0.01, selector="exact"), C.randomk(0.1),
-                 C.twobit(0.5), C.topk(0.3, warmup_steps=2)):
+    for comp in (C.topk(0.05), C.gtopk(0.05), C.gtopk(0.01, selector="exact"),
+                 C.randomk(0.1, variant="error_feedback"), C.twobit(0.5),
+                 C.topk(0.3, warmup_steps=2)):
         checks.run(f"conservation {comp!r}", check_conservation, comp)
+    checks.run("random-k unbiased: scaled sum, nothing kept", check_randomk_unbiased)
     checks.run("checkpoint resume", check_checkpoint_resume)
     checks.run("warm-up schedule", check_warmup_schedule)
     checks.run("bad input", check_bad_input)
