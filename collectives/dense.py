@@ -1,7 +1,7 @@
 """Dense allreduce wrappers with the same conventions as the sparse collectives."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -47,40 +47,46 @@ def allreduce(comm: MPI.Comm, array: np.ndarray, out: Optional[np.ndarray] = Non
     return iallreduce(comm, array, out, op, check=check).wait()
 
 
-def _ring_schedule(comm, x, acc_dtype, tag):
+def sum_pieces(pieces: np.ndarray, acc_dtype=np.float32) -> np.ndarray:
+    """The sum over axis 0 of (P, m) ``pieces``, in rank order, added in ``acc_dtype`` and
+    rounded back to the pieces' dtype once."""
+    total = pieces[0].astype(acc_dtype)
+    for q in range(1, pieces.shape[0]):
+        total += pieces[q]
+    return total.astype(pieces.dtype)
+
+
+def _cast_schedule(comm, x, add):
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1:
         return x
-    result, x = x, x.reshape(-1)  # chunks of the flat view: a view, x being contiguous
-    counts = np.array([x.size // p + (i < x.size % p) for i in range(p)], np.int64)
+    flat = x.reshape(-1)  # a view, x being contiguous
+    counts = np.array([flat.size // p + (i < flat.size % p) for i in range(p)], np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    seg = lambda c: slice(offsets[c], offsets[c] + counts[c])  # noqa: E731
-    acc = x.astype(acc_dtype)
-    right, left = (r + 1) % p, (r - 1) % p
-    for s in range(p - 1):  # reduce-scatter: after it, rank r holds chunk (r+1) % p summed
-        send_c, recv_c = (r - s) % p, (r - s - 1) % p
-        out = acc[seg(send_c)].astype(x.dtype)
-        into = np.empty(counts[recv_c], x.dtype)
-        yield [comm.Isend(out, dest=right, tag=tag), comm.Irecv(into, source=left, tag=tag)]
-        acc[seg(recv_c)] += into
-    order = [(q + 1) % p for q in range(p)]  # rank q contributes chunk (q+1) % p
-    mine = acc[seg((r + 1) % p)].astype(x.dtype)
-    yield [comm.Iallgatherv(mine, (x, (counts[order].tolist(), offsets[order].tolist())))]
-    return result
+    # reduce-scatter as an alltoall: chunk c of every rank goes to rank c, in x.dtype
+    pieces = np.empty((p, counts[r]), x.dtype)
+    mine = counts[r]
+    yield [comm.Ialltoallv((flat, (counts, offsets)),
+                           (pieces, ([mine] * p, [q * mine for q in range(p)])))]
+    yield [comm.Iallgatherv(add(pieces), (flat, (counts, offsets)))]
+    return x
 
 
-def iring_allreduce(comm: MPI.Comm, x: np.ndarray, acc_dtype=np.float32, *,
-                    tag: int = 7302) -> Pending:
-    """Sum ``x`` over ranks in place, moving ``x.dtype`` on the wire but adding in
-    ``acc_dtype``: for float16, whose MPI reduction runs ~100x slower than float32's in
+def icast_allreduce(comm: MPI.Comm, x: np.ndarray,
+                    add: Callable[[np.ndarray], np.ndarray] = sum_pieces) -> Pending:
+    """Sum ``x`` over ranks in place, moving ``x.dtype`` on the wire but adding in a wider
+    type: for float16, whose MPI reduction runs ~100x slower than float32's in
     Open MPI (measured here), and which loses precision when summed in float16.
 
-    Ring reduce-scatter over point-to-point (P-1 steps of d/P elements), then an
-    Allgatherv of the reduced chunks: 2(P-1) alpha + 2(P-1)/P * d * itemsize * beta.
-    Every rank ends with the same values (each chunk is rounded to x.dtype once, by its owner).
-    Any shape: the chunks are cut from the flat view of ``x`` (which must be C-contiguous).
+    A reduce-scatter done as one Alltoallv (rank c receives chunk c of every rank and sums
+    the P pieces in rank order), then an Allgatherv of the reduced chunks: two MPI
+    collectives, 2(P-1)/P * d * itemsize bytes per rank, as a ring allreduce in x.dtype.
+    Every rank ends with the same values (each chunk is rounded to x.dtype once, by its
+    owner). Any shape: the chunks are cut from the flat view of ``x`` (C-contiguous).
+    ``add`` sums the (P, m) pieces a rank receives (default :func:`sum_pieces`, NumPy, in
+    float32); a caller with a faster float16 conversion (torch's) passes its own.
     """
     err = _dense_error(x)
     if err:
-        raise HvcommError(f"ring_allreduce: {err}")
-    return Pending(_ring_schedule(comm, x, acc_dtype, tag))
+        raise HvcommError(f"cast_allreduce: {err}")
+    return Pending(_cast_schedule(comm, x, add))

@@ -1,10 +1,10 @@
 """The local compute of the sparse collectives, in linear time, compiled by numba.
 
 Every input run here is sorted by index with unique indices, which is what makes each step a
-single pass: merging two runs and summing common indices, keeping the k largest |values| in
-index order (given the threshold, which NumPy's introselect finds in linear time: faster than
-numba's own np.partition), intersecting sorted sets, and summing P runs in rank order (a heap
-over the runs' heads). NumPy has no linear merge
+single pass: merging two runs and summing common indices, intersecting sorted sets, and
+summing P runs in rank order (a heap over the runs' heads). Keeping the k largest |values| in
+index order needs no kernel: NumPy's introselect finds the threshold in linear time (faster
+than numba's own np.partition), and a mask keeps the order. NumPy has no linear merge
 of sorted runs, and its sort-based equivalents cost 5-20x more; numba compiles these loops to
 machine code with no build step (wheels for every platform), and ``cache=True`` keeps the
 compiled code beside this file, so only the first process to use it pays the compilation.
@@ -53,38 +53,16 @@ def merge_sum(idx_a, val_a, idx_b, val_b, out_idx, out_val):
 
 
 @jit
-def keep_above(idx, val, n, k, cut, out_idx, out_val):
-    """Of the first n (index-sorted) pairs, write those with |val| > cut, and those with
-    |val| == cut from the lowest index on until k are written, to out_*, in index order.
-    With cut the k-th largest |val| that is exactly the top k, ties to the lower index.
-    Returns how many were written."""
-    above = 0
-    for t in range(n):
-        if abs(val[t]) > cut:
-            above += 1
-    ties = k - above
-    m = 0
-    for t in range(n):
-        a = abs(val[t])
-        if a > cut or (a == cut and ties > 0):
-            if a == cut:
-                ties -= 1
-            out_idx[m] = idx[t]
-            out_val[m] = val[t]
-            m += 1
-    return m
-
-
-@jit
 def in_sorted(a, s):
-    """For sorted a and sorted s (unique): a boolean mask, True where a[i] is in s."""
+    """For sorted a and sorted s (unique): a boolean mask, True where a[i] is in s. A
+    branch-free merge walk: twice as fast as the branching one on random indices."""
     out = np.zeros(a.size, np.bool_)
-    j = 0
-    for i in range(a.size):
-        while j < s.size and s[j] < a[i]:
-            j += 1
-        if j < s.size and s[j] == a[i]:
-            out[i] = True
+    i = j = 0
+    while i < a.size and j < s.size:
+        x, y = a[i], s[j]
+        out[i] = x == y
+        i += x <= y
+        j += y <= x
     return out
 
 

@@ -80,10 +80,13 @@ def _keep_topk(idx: np.ndarray, val: np.ndarray, n: int, k: int):
     if n <= k:
         return idx[:n], val[:n]
     mag = np.abs(val[:n])
-    cut = np.partition(mag, n - k)[n - k]
-    out_idx, out_val = np.empty(k, idx.dtype), np.empty(k, val.dtype)
-    kernels.keep_above(idx, val, n, k, cut, out_idx, out_val)
-    return out_idx, out_val
+    cut = np.partition(mag, n - k)[n - k]  # introselect: linear time
+    keep = mag > cut
+    short = k - np.count_nonzero(keep)
+    if short:  # ties at the threshold: the lowest indices first
+        keep[np.flatnonzero(mag == cut)[:short]] = True
+    pos = np.flatnonzero(keep)
+    return idx[pos], val[pos]
 
 
 # -- input checks, carried in the messages themselves ---------------------------------------
@@ -331,6 +334,25 @@ def gtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
     return igtopk_allreduce(comm, indices, values, d, k, tag=tag, check=check).wait()
 
 
+def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray):
+    """Sum P sorted runs, a common index's values added in rank order. Up to 4 runs one
+    merge after another (O(kP^2), but a tighter loop than the heap's), else the heap merge
+    (O(kP log P))."""
+    p = starts.size - 1
+    out_idx, out_val = np.empty(idx.size, idx.dtype), np.empty(idx.size, val.dtype)
+    if p > 4:
+        n = kernels.sum_runs(idx, val, starts, out_idx, out_val)
+        return out_idx[:n], out_val[:n]
+    acc_idx, acc_val = idx[:starts[1]], val[:starts[1]]
+    spare_idx, spare_val = np.empty_like(out_idx), np.empty_like(out_val)
+    for r in range(1, p):
+        run = slice(starts[r], starts[r + 1])
+        n = kernels.merge_sum(acc_idx, acc_val, idx[run], val[run], out_idx, out_val)
+        acc_idx, acc_val = out_idx[:n], out_val[:n]
+        out_idx, out_val, spare_idx, spare_val = spare_idx, spare_val, out_idx, out_val
+    return acc_idx, acc_val
+
+
 def _allgather_schedule(comm, mine: _Input):
     size = comm.Get_size()
     idt, vdt = mine.indices.dtype, mine.values.dtype
@@ -350,11 +372,10 @@ def _allgather_schedule(comm, mine: _Input):
     t0 = time.perf_counter()
     starts = np.zeros(size + 1, np.int64)
     np.cumsum(counts, out=starts[1:])
-    out_idx, out_val = np.empty(total, idt), np.empty(total, vdt)
-    n = kernels.sum_runs(all_idx, all_val, starts, out_idx, out_val)
+    out_idx, out_val = _sum_runs(all_idx, all_val, starts)
     pair_bytes = idt.itemsize + vdt.itemsize
     ring = 0 if size == 1 else int(total - counts[(comm.Get_rank() + 1) % size]) * pair_bytes
-    return SparseResult(out_idx[:n], out_val[:n], np.ones(mine.indices.size, bool),
+    return SparseResult(out_idx, out_val, np.ones(mine.indices.size, bool),
                         ring + head.nbytes * (size - 1),
                         mine.compute_s + time.perf_counter() - t0)
 

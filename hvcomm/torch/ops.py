@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from collectives.dense import iring_allreduce
+from collectives.dense import icast_allreduce
 from collectives.errors import HvcommError
 
 from .engine import Handle
@@ -43,11 +43,18 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
+def _sum_pieces_torch(pieces: np.ndarray) -> np.ndarray:
+    """collectives.dense.sum_pieces (rank order, float32, rounded once) with torch's
+    vectorised float16 conversions: about 4x NumPy's."""
+    return torch.from_numpy(pieces).sum(dim=0, dtype=torch.float32).to(torch.float16).numpy()
+
+
 def sum_in_place(comm: MPI.Comm, buf: np.ndarray) -> None:
-    """Sum ``buf`` over the ranks in place. float16 goes over hvcomm's ring (float16 on the
-    wire, float32 additions): Open MPI's float16 sum is about 100x slower than float32's."""
+    """Sum ``buf`` over the ranks in place. float16 goes over hvcomm's own allreduce
+    (float16 on the wire, float32 additions): Open MPI's float16 sum is about 100x slower
+    than float32's."""
     if buf.dtype == np.float16:
-        iring_allreduce(comm, buf).wait()
+        icast_allreduce(comm, buf, _sum_pieces_torch).wait()
     else:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 

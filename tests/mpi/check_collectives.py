@@ -98,7 +98,7 @@ def check_dense_and_merged(comm, seed):
         for n in (1, p - 1, 1000 + seed):
             x = np.random.default_rng([seed, r, n]).integers(-9, 9, n).astype(dtype)
             want = sum(np.random.default_rng([seed, q, n]).integers(-9, 9, n) for q in range(p))
-            C.iring_allreduce(comm, x).wait()
+            C.icast_allreduce(comm, x).wait()
             np.testing.assert_array_equal(x, want.astype(dtype))
     plan = C.BucketPlan.by_threshold([a.nbytes for a in mine], 40, order=reversed(range(7)))
     arrays = [a.copy() for a in mine]

@@ -17,7 +17,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from harness import Checks  # noqa: E402
 
 import hvcomm.torch as hvd  # noqa: E402
-from collectives import iring_allreduce  # noqa: E402
+from collectives import icast_allreduce  # noqa: E402
 from collectives.errors import HvcommError  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
@@ -115,7 +115,7 @@ def run_case(c):
     if kind == "ring":  # collectives/: the float16 ring, any shape, NumPy in place
         xs = [make_input(c["seed"], q, shape, torch.float16, hvd.Sum) for q in range(n)]
         buf = xs[r].numpy().copy()
-        got = torch.from_numpy(iring_allreduce(MPI.COMM_WORLD, buf).wait())
+        got = torch.from_numpy(icast_allreduce(MPI.COMM_WORLD, buf).wait())
         return differs(got, torch.stack([x.double() for x in xs]).sum(0).half())
     if kind == "allgather":  # the first dimension differs between ranks
         shape = (shape[0] + 1 if shape else 1,) + shape[1:]
