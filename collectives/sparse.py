@@ -259,12 +259,13 @@ def _gtopk_schedule(comm, mine: _Input, k, tag):
         theirs = np.empty(HEADER_LEN, np.int64)
         yield [comm.Irecv(theirs, source=parent, tag=tag)]
         final_idx, final_val = np.empty(theirs[N], idt), np.empty(theirs[N], vdt)
-        mask = np.empty(theirs[M], np.bool_)
+        up_mask = np.empty(theirs[M], np.bool_)
         yield [comm.Irecv(final_idx, source=parent, tag=tag),
                comm.Irecv(final_val, source=parent, tag=tag),
-               comm.Irecv(mask, source=parent, tag=tag)]
+               comm.Irecv(up_mask, source=parent, tag=tag)]
         head[:] = theirs
-        survived = cur_idx[mask] if not head[STATUS] else cur_idx[:0]
+        survived = cur_idx[up_mask] if not head[STATUS] else cur_idx[:0]
+    own_reached = None  # which of this rank's (sorted) pairs reached the result
     sends = []
     if head[STATUS]:  # every child hears of the problem, and nothing else
         down = head.copy()
@@ -283,13 +284,19 @@ def _gtopk_schedule(comm, mine: _Input, k, tag):
                 sent += m.nbytes
                 sends.append(comm.Isend(m, dest=child, tag=tag))
             t0 = time.perf_counter()
-            survived = before[kernels.in_sorted(before, survived)]
+            own_reached = kernels.in_sorted(before, survived)  # the last before: own input
+            survived = before[own_reached]
             compute += time.perf_counter() - t0
     if sends:
         yield sends
     _raise_if_problem(head, "gtopk_allreduce")
     t0 = time.perf_counter()
-    reached_sorted = kernels.in_sorted(mine.indices, survived)
+    if own_reached is not None:
+        reached_sorted = own_reached
+    elif parent is not None:  # no merge here: this rank sent its own input up
+        reached_sorted = up_mask
+    else:                     # alone: everything reached
+        reached_sorted = np.ones(mine.indices.size, bool)
     if mine.order is None:
         reached = reached_sorted
     else:
