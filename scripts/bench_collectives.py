@@ -1,6 +1,7 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
 alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
-each rank sends. The sparse collectives run with their default settings (input check on).
+each rank sends; and the dense sum in float16 (``icast_allreduce``, half the bytes) beside
+float32's. The sparse collectives run with their default settings (input check on).
 
 Driver (default): one mpirun per P; prints and writes results/collectives_<net>.md.
 Worker (--worker, under mpirun): times every (d, density) on its communicator.
@@ -36,6 +37,9 @@ def worker(args) -> None:
             out = np.empty_like(grad)
             t_dense = C.time_collective(
                 comm, lambda: C.allreduce(comm, grad, out, check=False), args.repeats)
+            half = grad.astype(np.float16)
+            t_half = C.time_collective(
+                comm, lambda: C.icast_allreduce(comm, half.copy()).wait(), args.repeats)
             res = {"ag": [], "gt": []}
             t_ag = C.time_collective(comm, lambda: res["ag"].append(
                 C.topk_allgather(comm, idx, val, d, k)), args.repeats)
@@ -49,6 +53,7 @@ def worker(args) -> None:
             rows.append({
                 "P": p, "d": d, "density": density, "k": k,
                 "dense s": t_dense, "dense model s": C.ring_allreduce_s(p, grad.nbytes, ab),
+                "dense fp16 s": t_half, "fp16 / dense": t_half / t_dense,
                 "allgather s": t_ag, "allgather compute s": compute[0],
                 "allgather model s": C.topk_allgather_s(p, k, pair, ab),
                 "gtopk s": t_gt, "gtopk compute s": compute[1],
