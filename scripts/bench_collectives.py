@@ -1,7 +1,7 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
 alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
-each rank sends; and the dense sum in float16 (``icast_allreduce``, half the bytes) beside
-float32's. The sparse collectives run with their default settings (input check on).
+each rank sends; and the dense sum in float16 (``icast_allreduce`` with torch's casts, as
+hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's. The sparse collectives run with their default settings (input check on).
 
 Driver (default): one mpirun per P; prints and writes results/collectives_<net>.md.
 Worker (--worker, under mpirun): times every (d, density) on its communicator.
@@ -21,6 +21,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import collectives as C
+    from hvcomm.torch.ops import sum_pieces_torch
 
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
@@ -37,9 +38,10 @@ def worker(args) -> None:
             out = np.empty_like(grad)
             t_dense = C.time_collective(
                 comm, lambda: C.allreduce(comm, grad, out, check=False), args.repeats)
-            half = grad.astype(np.float16)
+            half = grad.astype(np.float16)  # summed as hvcomm.torch sums it (torch's casts)
             t_half = C.time_collective(
-                comm, lambda: C.icast_allreduce(comm, half.copy()).wait(), args.repeats)
+                comm, lambda: C.icast_allreduce(comm, half.copy(), sum_pieces_torch).wait(),
+                args.repeats)
             res = {"ag": [], "gt": []}
             t_ag = C.time_collective(comm, lambda: res["ag"].append(
                 C.topk_allgather(comm, idx, val, d, k)), args.repeats)

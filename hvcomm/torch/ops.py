@@ -43,7 +43,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
-def _sum_pieces_torch(pieces: np.ndarray) -> np.ndarray:
+def sum_pieces_torch(pieces: np.ndarray) -> np.ndarray:
     """collectives.dense.sum_pieces (rank order, float32, rounded once) with torch's
     vectorised float16 conversions: about 4x NumPy's."""
     return torch.from_numpy(pieces).sum(dim=0, dtype=torch.float32).to(torch.float16).numpy()
@@ -54,7 +54,7 @@ def sum_in_place(comm: MPI.Comm, buf: np.ndarray) -> None:
     (float16 on the wire, float32 additions): Open MPI's float16 sum is about 100x slower
     than float32's."""
     if buf.dtype == np.float16:
-        icast_allreduce(comm, buf, _sum_pieces_torch).wait()
+        icast_allreduce(comm, buf, sum_pieces_torch).wait()
     else:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
