@@ -45,17 +45,25 @@ def ceil_log2(p: int) -> int:
     return max(p - 1, 0).bit_length()
 
 
+def _topk_positions(mag: np.ndarray, k: int) -> np.ndarray:
+    """Positions (ascending) of the k largest values of ``mag`` (k < mag.size); ties at the
+    threshold go to the lower position. Linear time: introselect for the threshold, then
+    a mask, which keeps the order."""
+    cut = np.partition(mag, mag.size - k)[mag.size - k]
+    keep = mag > cut
+    short = k - np.count_nonzero(keep)
+    if short:
+        keep[np.flatnonzero(mag == cut)[:short]] = True
+    return np.flatnonzero(keep)
+
+
 def select_topk(x: np.ndarray, k: int) -> np.ndarray:
     """Indices (ascending) of the k largest |x|; ties go to the lower index."""
     if not 0 < k <= x.size:
         raise ValueError(f"k must be in [1, {x.size}], got {k}")
-    mag = np.abs(x)
     if k == x.size:
         return np.arange(x.size, dtype=index_dtype(x.size))
-    cut = np.partition(mag, x.size - k)[x.size - k]
-    above = np.flatnonzero(mag > cut)
-    ties = np.flatnonzero(mag == cut)[: k - above.size]
-    return np.sort(np.concatenate([above, ties])).astype(index_dtype(x.size))
+    return _topk_positions(np.abs(x), k).astype(index_dtype(x.size))
 
 
 def merge_select(idx_a: np.ndarray, val_a: np.ndarray, idx_b: np.ndarray, val_b: np.ndarray,
@@ -72,20 +80,9 @@ def merge_select(idx_a: np.ndarray, val_a: np.ndarray, idx_b: np.ndarray, val_b:
     idx, val = np.empty(n_in, idx_a.dtype), np.empty(n_in, vdt)
     n = kernels.merge_sum(idx_a, val_a.astype(vdt, copy=False), idx_b,
                           val_b.astype(vdt, copy=False), idx, val)
-    return _keep_topk(idx, val, n, k)
-
-
-def _keep_topk(idx: np.ndarray, val: np.ndarray, n: int, k: int):
-    """The k largest |val| of the first n index-sorted pairs, in index order (linear time)."""
     if n <= k:
         return idx[:n], val[:n]
-    mag = np.abs(val[:n])
-    cut = np.partition(mag, n - k)[n - k]  # introselect: linear time
-    keep = mag > cut
-    short = k - np.count_nonzero(keep)
-    if short:  # ties at the threshold: the lowest indices first
-        keep[np.flatnonzero(mag == cut)[:short]] = True
-    pos = np.flatnonzero(keep)
+    pos = _topk_positions(np.abs(val[:n]), k)
     return idx[pos], val[pos]
 
 
@@ -243,10 +240,7 @@ def _gtopk_schedule(comm, mine: _Input, k, tag):
             continue
         history.append((child, cur_idx, c_idx))
         t0 = time.perf_counter()
-        merged_idx = np.empty(cur_idx.size + c_idx.size, idt)
-        merged_val = np.empty(cur_idx.size + c_idx.size, vdt)
-        n = kernels.merge_sum(cur_idx, cur_val, c_idx, c_val, merged_idx, merged_val)
-        cur_idx, cur_val = _keep_topk(merged_idx, merged_val, n, k)
+        cur_idx, cur_val = merge_select(cur_idx, cur_val, c_idx, c_val, k)
         compute += time.perf_counter() - t0
     if parent is None:
         final_idx, final_val, survived = cur_idx, cur_val, cur_idx
@@ -393,7 +387,7 @@ def itopk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
 
     Ranks may pass different numbers of pairs (at most k each, when k is given). Volume
     O(kP): cost ~ 2*ceil(log2 P)*alpha + (P-1)*k*(w_idx + w_val)*beta (headers with the
-    counts, then pairs). The gathered runs are summed by one heap merge in rank order.
+    counts, then pairs). The gathered runs are summed in rank order by linear merges.
     Checks as for :func:`igtopk_allreduce`; the headers travel with the counts.
     """
     mine = _prepare(comm, indices, values, d, k, check)
