@@ -1,13 +1,14 @@
 """The local compute of the sparse collectives, in linear time, compiled by numba.
 
 Every input run here is sorted by index with unique indices, which is what makes each step a
-single pass: merging two runs and summing common indices, intersecting sorted sets, and
-summing P runs in rank order (a heap over the runs' heads). Keeping the k largest |values| in
-index order needs no kernel: NumPy's introselect finds the threshold in linear time (faster
-than numba's own np.partition), and a mask keeps the order. NumPy has no linear merge
-of sorted runs, and its sort-based equivalents cost 5-20x more; numba compiles these loops to
-machine code with no build step (wheels for every platform), and ``cache=True`` keeps the
-compiled code beside this file, so only the first process to use it pays the compilation.
+single pass: merging two runs, summing common indices and recording where each output came
+from (which maps a survival mask back to the inputs), and summing P runs in rank order (a
+heap over the runs' heads). Keeping the k largest |values| in index order needs no kernel:
+NumPy's introselect finds the threshold in linear time (faster than numba's own
+np.partition), and a mask keeps the order. NumPy has no linear merge of sorted runs, and its
+sort-based equivalents cost 5-20x more; numba compiles these loops to machine code with no
+build step (wheels for every platform), and ``cache=True`` keeps the compiled code beside
+this file, so only the first process to use it pays the compilation.
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ jit = numba.njit(cache=True, nogil=True)
 
 
 @jit
-def merge_sum(idx_a, val_a, idx_b, val_b, out_idx, out_val):
-    """Merge two sorted runs into out_*, adding values at common indices (a's + b's).
-    Returns the number of unique indices written."""
+def merge_sum(idx_a, val_a, idx_b, val_b, out_idx, out_val, origin):
+    """Merge two sorted runs into out_*, adding values at common indices (a's + b's), and
+    record each output's origin: 1 from a, 2 from b, 3 from both. Returns the number of
+    unique indices written. With the origins, a mask over the output maps back to a mask
+    over either input by plain boolean indexing (``mask[origin & 1 != 0]`` is a's)."""
     i = j = n = 0
     na, nb = idx_a.size, idx_b.size
     while i < na and j < nb:
@@ -28,42 +31,49 @@ def merge_sum(idx_a, val_a, idx_b, val_b, out_idx, out_val):
         if ia < ib:
             out_idx[n] = ia
             out_val[n] = val_a[i]
+            origin[n] = 1
             i += 1
         elif ib < ia:
             out_idx[n] = ib
             out_val[n] = val_b[j]
+            origin[n] = 2
             j += 1
         else:
             out_idx[n] = ia
             out_val[n] = val_a[i] + val_b[j]
+            origin[n] = 3
             i += 1
             j += 1
         n += 1
     while i < na:
         out_idx[n] = idx_a[i]
         out_val[n] = val_a[i]
+        origin[n] = 1
         i += 1
         n += 1
     while j < nb:
         out_idx[n] = idx_b[j]
         out_val[n] = val_b[j]
+        origin[n] = 2
         j += 1
         n += 1
     return n
 
 
 @jit
-def in_sorted(a, s):
-    """For sorted a and sorted s (unique): a boolean mask, True where a[i] is in s. A
-    branch-free merge walk: twice as fast as the branching one on random indices."""
-    out = np.zeros(a.size, np.bool_)
+def split_by_origin(origin, flags, out_a, out_b):
+    """Split ``flags`` (one per merged output) into a's and b's, by the origins merge_sum
+    recorded: out_a gets the flags of outputs a contributed to, out_b those of b, in order.
+    Branch-free, so each output needs one spare slot at its end. Returns the counts."""
     i = j = 0
-    while i < a.size and j < s.size:
-        x, y = a[i], s[j]
-        out[i] = x == y
-        i += x <= y
-        j += y <= x
-    return out
+    for t in range(origin.size):
+        o = origin[t]
+        f = flags[t]
+        out_a[i] = f
+        out_b[j] = f
+        i += o & 1
+        j += o >> 1
+    return i, j
 
 
 @jit

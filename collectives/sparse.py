@@ -45,12 +45,45 @@ def ceil_log2(p: int) -> int:
     return max(p - 1, 0).bit_length()
 
 
-def _topk_positions(mag: np.ndarray, k: int) -> np.ndarray:
-    """Positions (ascending) of the k largest values of ``mag`` (k < mag.size); ties at the
-    threshold go to the lower position. Linear time: introselect for the threshold, then
-    a mask, which keeps the order."""
-    cut = np.partition(mag, mag.size - k)[mag.size - k]
-    keep = mag > cut
+class _Workspace:
+    """Scratch buffers of one collective call, kept for the next call: the tree steps'
+    merged pairs (up to 2k each) and their magnitudes. Fresh pages cost a page fault each,
+    which on this kind of machine is as much time as the merge itself."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, name, n: int, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.size < n:
+            buf = self._buffers[(name, dtype)] = np.empty(max(n, 1024), dtype)
+        return buf[:n]
+
+
+_idle_workspaces = []  # calls in flight together each take their own
+
+
+def _take_workspace() -> _Workspace:
+    try:
+        return _idle_workspaces.pop()
+    except IndexError:
+        return _Workspace()
+
+
+def _largest(val: np.ndarray, k: int, ws: Optional[_Workspace] = None) -> np.ndarray:
+    """Positions (ascending) of the k largest |val| (k < val.size); ties at the threshold
+    go to the lower position. Linear time: introselect for the threshold, then a mask
+    (vectorised, and faster than a compiled loop here) turned into positions. ``ws``
+    lends scratch buffers."""
+    n = val.size
+    get = ws.get if ws else (lambda name, size, dtype: np.empty(size, dtype))
+    mag = np.abs(val, out=get("mag", n, val.dtype))
+    part = get("part", n, val.dtype)
+    np.copyto(part, mag)
+    part.partition(n - k)  # in place: part[n - k] is the k-th largest
+    cut = part[n - k]
+    keep = np.greater(mag, cut, out=get("keep", n, np.bool_))
     short = k - np.count_nonzero(keep)
     if short:
         keep[np.flatnonzero(mag == cut)[:short]] = True
@@ -63,7 +96,7 @@ def select_topk(x: np.ndarray, k: int) -> np.ndarray:
         raise ValueError(f"k must be in [1, {x.size}], got {k}")
     if k == x.size:
         return np.arange(x.size, dtype=index_dtype(x.size))
-    return _topk_positions(np.abs(x), k).astype(index_dtype(x.size))
+    return _largest(x, k).astype(index_dtype(x.size))
 
 
 def merge_select(idx_a: np.ndarray, val_a: np.ndarray, idx_b: np.ndarray, val_b: np.ndarray,
@@ -73,17 +106,53 @@ def merge_select(idx_a: np.ndarray, val_a: np.ndarray, idx_b: np.ndarray, val_b:
     Each input is sorted by index with unique indices. Ties in |sum| go to the lower index,
     so the result depends only on the inputs. Output is sorted by index. Linear time.
     """
+    step = _merge_step(idx_a, val_a, idx_b, val_b, k)
+    return step.indices, step.values
+
+
+@dataclass
+class _Step:
+    """A tree step's result and what maps it back to its inputs: the origin (1 a, 2 b,
+    3 both) of every merged pair, the sizes of a and b, and ``keep``, the positions of the
+    merged pairs selected (None: all)."""
+    indices: np.ndarray
+    values: np.ndarray
+    origin: np.ndarray
+    sizes: Tuple[int, int]
+    keep: Optional[np.ndarray]
+
+    def inputs_reached(self, reached: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Given which of this step's output pairs reached the result, which of input a's
+        and of input b's pairs did."""
+        if self.keep is None:
+            merged = reached
+        else:
+            merged = np.zeros(self.origin.size, bool)
+            merged[self.keep] = reached
+        out_a, out_b = np.empty(self.sizes[0] + 1, bool), np.empty(self.sizes[1] + 1, bool)
+        kernels.split_by_origin(self.origin, merged, out_a, out_b)
+        return out_a[:-1], out_b[:-1]
+
+
+def _merge_step(idx_a, val_a, idx_b, val_b, k, ws: Optional[_Workspace] = None,
+                level: int = 0) -> _Step:
+    """Merge two runs, sum common indices and keep the k largest |sums|; the merged pairs
+    live in ``ws`` (per tree level), the k kept pairs in new arrays."""
+    ws = ws or _Workspace()
     if idx_a.dtype != idx_b.dtype:
         idx_a, idx_b = idx_a.astype(np.int64), idx_b.astype(np.int64)
     vdt = np.result_type(val_a, val_b)
     n_in = idx_a.size + idx_b.size
-    idx, val = np.empty(n_in, idx_a.dtype), np.empty(n_in, vdt)
+    idx, val = ws.get(("idx", level), n_in, idx_a.dtype), ws.get(("val", level), n_in, vdt)
+    origin = ws.get(("origin", level), n_in, np.uint8)
     n = kernels.merge_sum(idx_a, val_a.astype(vdt, copy=False), idx_b,
-                          val_b.astype(vdt, copy=False), idx, val)
+                          val_b.astype(vdt, copy=False), idx, val, origin)
+    idx, val, origin = idx[:n], val[:n], origin[:n]
+    sizes = (idx_a.size, idx_b.size)
     if n <= k:
-        return idx[:n], val[:n]
-    pos = _topk_positions(np.abs(val[:n]), k)
-    return idx[pos], val[pos]
+        return _Step(idx.copy(), val.copy(), origin, sizes, None)
+    keep = _largest(val, k, ws)
+    return _Step(idx[keep], val[keep], origin, sizes, keep)
 
 
 # -- input checks, carried in the messages themselves ---------------------------------------
@@ -221,13 +290,21 @@ def _children(rank: int, size: int):
 
 
 def _gtopk_schedule(comm, mine: _Input, k, tag):
+    ws = _take_workspace()
+    try:
+        return (yield from _gtopk_steps(comm, mine, k, tag, ws))
+    finally:
+        _idle_workspaces.append(ws)
+
+
+def _gtopk_steps(comm, mine: _Input, k, tag, ws: _Workspace):
     rank, size = comm.Get_rank(), comm.Get_size()
     head = mine.header
     idt, vdt = mine.indices.dtype, mine.values.dtype
     cur_idx, cur_val = mine.indices, mine.values
     children = _children(rank, size)
     parent = None if rank == 0 else rank - (rank & -rank)
-    history, sent = [], 0  # (child, indices before merge, child's indices) per merge
+    history, sent = [], 0  # (child, step) per merge, in round order
     compute = mine.compute_s
     for child in children:  # up: a header, then the child's indices and values
         theirs = np.empty(HEADER_LEN, np.int64)
@@ -238,12 +315,14 @@ def _gtopk_schedule(comm, mine: _Input, k, tag):
         _absorb(head, theirs)
         if head[STATUS]:
             continue
-        history.append((child, cur_idx, c_idx))
         t0 = time.perf_counter()
-        cur_idx, cur_val = merge_select(cur_idx, cur_val, c_idx, c_val, k)
+        step = _merge_step(cur_idx, cur_val, c_idx, c_val, k, ws, len(history))
         compute += time.perf_counter() - t0
+        history.append((child, step))
+        cur_idx, cur_val = step.indices, step.values
     if parent is None:
-        final_idx, final_val, survived = cur_idx, cur_val, cur_idx
+        final_idx, final_val = cur_idx, cur_val
+        reached = np.ones(cur_idx.size, bool)  # which of cur's pairs are in the result
     else:
         head[N] = 0 if head[STATUS] else cur_idx.size
         up = (head.copy(), cur_idx[:head[N]], cur_val[:head[N]])
@@ -253,13 +332,11 @@ def _gtopk_schedule(comm, mine: _Input, k, tag):
         theirs = np.empty(HEADER_LEN, np.int64)
         yield [comm.Irecv(theirs, source=parent, tag=tag)]
         final_idx, final_val = np.empty(theirs[N], idt), np.empty(theirs[N], vdt)
-        up_mask = np.empty(theirs[M], np.bool_)
+        reached = np.empty(theirs[M], np.bool_)
         yield [comm.Irecv(final_idx, source=parent, tag=tag),
                comm.Irecv(final_val, source=parent, tag=tag),
-               comm.Irecv(up_mask, source=parent, tag=tag)]
+               comm.Irecv(reached, source=parent, tag=tag)]
         head[:] = theirs
-        survived = cur_idx[up_mask] if not head[STATUS] else cur_idx[:0]
-    own_reached = None  # which of this rank's (sorted) pairs reached the result
     sends = []
     if head[STATUS]:  # every child hears of the problem, and nothing else
         down = head.copy()
@@ -268,34 +345,26 @@ def _gtopk_schedule(comm, mine: _Input, k, tag):
             sends += [comm.Isend(m, dest=child, tag=tag)
                       for m in (down, final_idx[:0], final_val[:0], np.empty(0, np.bool_))]
     else:
-        for child, before, child_idx in reversed(history):
+        # back through the merges, last first: what reached the result of each step's
+        # output tells what reached of its inputs, the child's (sent down) and this
+        # rank's previous pairs; after the first merge, this rank's own sorted input
+        for child, step in reversed(history):
             t0 = time.perf_counter()
-            mask = kernels.in_sorted(child_idx, survived)
+            reached, mask = step.inputs_reached(reached)
             compute += time.perf_counter() - t0
             down = head.copy()
             down[N], down[M] = final_idx.size, mask.size
             for m in (down, final_idx, final_val, mask):
                 sent += m.nbytes
                 sends.append(comm.Isend(m, dest=child, tag=tag))
-            t0 = time.perf_counter()
-            own_reached = kernels.in_sorted(before, survived)  # the last before: own input
-            survived = before[own_reached]
-            compute += time.perf_counter() - t0
     if sends:
         yield sends
     _raise_if_problem(head, "gtopk_allreduce")
     t0 = time.perf_counter()
-    if own_reached is not None:
-        reached_sorted = own_reached
-    elif parent is not None:  # no merge here: this rank sent its own input up
-        reached_sorted = up_mask
-    else:                     # alone: everything reached
-        reached_sorted = np.ones(mine.indices.size, bool)
-    if mine.order is None:
-        reached = reached_sorted
-    else:
-        reached = np.empty(reached_sorted.size, bool)
-        reached[mine.order] = reached_sorted
+    if mine.order is not None:  # back to the caller's input order
+        in_order = np.empty(reached.size, bool)
+        in_order[mine.order] = reached
+        reached = in_order
     compute += time.perf_counter() - t0
     return SparseResult(final_idx, final_val, reached, sent, compute)
 
@@ -346,9 +415,10 @@ def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray):
         return out_idx[:n], out_val[:n]
     acc_idx, acc_val = idx[:starts[1]], val[:starts[1]]
     spare_idx, spare_val = np.empty_like(out_idx), np.empty_like(out_val)
+    origin = np.empty(idx.size, np.uint8)  # not needed here
     for r in range(1, p):
         run = slice(starts[r], starts[r + 1])
-        n = kernels.merge_sum(acc_idx, acc_val, idx[run], val[run], out_idx, out_val)
+        n = kernels.merge_sum(acc_idx, acc_val, idx[run], val[run], out_idx, out_val, origin)
         acc_idx, acc_val = out_idx[:n], out_val[:n]
         out_idx, out_val, spare_idx, spare_val = spare_idx, spare_val, out_idx, out_val
     return acc_idx, acc_val

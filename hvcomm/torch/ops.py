@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -43,10 +44,34 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
+class _Scratch(threading.local):
+    """Per-thread float32 buffers for :func:`sum_pieces_torch`, grown as needed and reused
+    across calls (a training step sums the same bucket sizes every step)."""
+
+    def __init__(self):
+        self.acc = torch.empty(0)
+        self.piece = torch.empty(0)
+
+    def take(self, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.acc.numel() < m:
+            self.acc, self.piece = torch.empty(m), torch.empty(m)
+        return self.acc[:m], self.piece[:m]
+
+
+_scratch = _Scratch()
+
+
 def sum_pieces_torch(pieces: np.ndarray) -> np.ndarray:
     """collectives.dense.sum_pieces (rank order, float32, rounded once) with torch's
-    vectorised float16 conversions: about 4x NumPy's."""
-    return torch.from_numpy(pieces).sum(dim=0, dtype=torch.float32).to(torch.float16).numpy()
+    vectorised conversions. Each float16 piece is widened into a float32 buffer before it
+    is added: torch's mixed-dtype add is ~8x slower than a widening copy and a float32 add."""
+    m = pieces.shape[1]
+    acc, wide = _scratch.take(m)
+    acc.copy_(torch.from_numpy(pieces[0]))
+    for q in range(1, pieces.shape[0]):
+        wide.copy_(torch.from_numpy(pieces[q]))
+        acc.add_(wide)
+    return acc.to(torch.float16).numpy()
 
 
 def sum_in_place(comm: MPI.Comm, buf: np.ndarray) -> None:
