@@ -46,9 +46,10 @@ def ceil_log2(p: int) -> int:
 
 
 class _Workspace:
-    """Scratch buffers of one collective call, kept for the next call: the tree steps'
-    merged pairs (up to 2k each) and their magnitudes. Fresh pages cost a page fault each,
-    which on this kind of machine is as much time as the merge itself."""
+    """Scratch buffers of a sparse collective call, kept for the next call: the tree steps'
+    merged pairs (up to 2k each) and their magnitudes, the AllGather's gathered pairs and
+    partial sums. Fresh pages cost a page fault each, which on this kind of machine takes
+    as long as the merge itself. What a call returns is never in here."""
 
     def __init__(self):
         self._buffers = {}
@@ -289,10 +290,12 @@ def _children(rank: int, size: int):
     return out
 
 
-def _gtopk_schedule(comm, mine: _Input, k, tag):
+def _pooled(steps, *args):
+    """Run the schedule ``steps(*args, ws)`` with a workspace of its own, returned to the
+    idle ones when it ends."""
     ws = _take_workspace()
     try:
-        return (yield from _gtopk_steps(comm, mine, k, tag, ws))
+        return (yield from steps(*args, ws))
     finally:
         _idle_workspaces.append(ws)
 
@@ -395,7 +398,7 @@ def igtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d:
     input costs one pass, unsorted input is sorted first.
     """
     mine = _prepare(comm, indices, values, d, k, check)
-    return Pending(_gtopk_schedule(comm, mine, k, tag))
+    return Pending(_pooled(_gtopk_steps, comm, mine, k, tag))
 
 
 def gtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int, k: int,
@@ -404,27 +407,30 @@ def gtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
     return igtopk_allreduce(comm, indices, values, d, k, tag=tag, check=check).wait()
 
 
-def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray):
-    """Sum P sorted runs, a common index's values added in rank order. Up to 4 runs one
-    merge after another (O(kP^2), but a tighter loop than the heap's), else the heap merge
-    (O(kP log P))."""
+def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray, ws: _Workspace):
+    """Sum P sorted runs into new arrays, a common index's values added in rank order. Up
+    to 4 runs one merge after another (O(kP^2), but a tighter loop than the heap's; the
+    partial sums live in ``ws``), else the heap merge (O(kP log P))."""
     p = starts.size - 1
+    if p == 1:
+        return idx.copy(), val.copy()
     out_idx, out_val = np.empty(idx.size, idx.dtype), np.empty(idx.size, val.dtype)
     if p > 4:
         n = kernels.sum_runs(idx, val, starts, out_idx, out_val)
         return out_idx[:n], out_val[:n]
     acc_idx, acc_val = idx[:starts[1]], val[:starts[1]]
-    spare_idx, spare_val = np.empty_like(out_idx), np.empty_like(out_val)
-    origin = np.empty(idx.size, np.uint8)  # not needed here
+    origin = ws.get("origin", idx.size, np.uint8)  # not needed here
     for r in range(1, p):
         run = slice(starts[r], starts[r + 1])
-        n = kernels.merge_sum(acc_idx, acc_val, idx[run], val[run], out_idx, out_val, origin)
-        acc_idx, acc_val = out_idx[:n], out_val[:n]
-        out_idx, out_val, spare_idx, spare_val = spare_idx, spare_val, out_idx, out_val
+        last = r == p - 1
+        into_idx = out_idx if last else ws.get(("idx", r % 2), idx.size, idx.dtype)
+        into_val = out_val if last else ws.get(("val", r % 2), idx.size, val.dtype)
+        n = kernels.merge_sum(acc_idx, acc_val, idx[run], val[run], into_idx, into_val, origin)
+        acc_idx, acc_val = into_idx[:n], into_val[:n]
     return acc_idx, acc_val
 
 
-def _allgather_schedule(comm, mine: _Input):
+def _allgather_steps(comm, mine: _Input, ws: _Workspace):
     size = comm.Get_size()
     idt, vdt = mine.indices.dtype, mine.values.dtype
     head = mine.header
@@ -437,13 +443,13 @@ def _allgather_schedule(comm, mine: _Input):
     _raise_if_problem(head, "topk_allgather")
     counts = heads[:, N]
     total = int(counts.sum())
-    all_idx, all_val = np.empty(total, idt), np.empty(total, vdt)
+    all_idx, all_val = ws.get("gathered idx", total, idt), ws.get("gathered val", total, vdt)
     yield [comm.Iallgatherv(mine.indices, (all_idx, counts)),
            comm.Iallgatherv(mine.values, (all_val, counts))]
     t0 = time.perf_counter()
     starts = np.zeros(size + 1, np.int64)
     np.cumsum(counts, out=starts[1:])
-    out_idx, out_val = _sum_runs(all_idx, all_val, starts)
+    out_idx, out_val = _sum_runs(all_idx, all_val, starts, ws)
     pair_bytes = idt.itemsize + vdt.itemsize
     ring = 0 if size == 1 else int(total - counts[(comm.Get_rank() + 1) % size]) * pair_bytes
     return SparseResult(out_idx, out_val, np.ones(mine.indices.size, bool),
@@ -461,7 +467,7 @@ def itopk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
     Checks as for :func:`igtopk_allreduce`; the headers travel with the counts.
     """
     mine = _prepare(comm, indices, values, d, k, check)
-    return Pending(_allgather_schedule(comm, mine))
+    return Pending(_pooled(_allgather_steps, comm, mine))
 
 
 def topk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int,

@@ -85,6 +85,21 @@ def check_concurrent(comm):
         np.testing.assert_array_equal(res.indices, gtopk_ref(inp, k)[0])
 
 
+def check_results_kept(comm):
+    """A result stays as it was when later calls run (the calls reuse scratch buffers)."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    d, k = 1000, 20
+    ins = [[rank_input(s, q, d, k, 60) for q in range(p)] for s in (21, 22)]
+    first = [C.gtopk_allreduce(comm, *ins[0][r], d, k), C.topk_allgather(comm, *ins[0][r], d, k)]
+    copies = [(x.indices.copy(), x.values.copy(), x.reached.copy()) for x in first]
+    C.gtopk_allreduce(comm, *ins[1][r], d, k)
+    C.topk_allgather(comm, *ins[1][r], d, k)
+    for res, (idx, val, reached) in zip(first, copies):
+        np.testing.assert_array_equal(res.indices, idx)
+        np.testing.assert_array_equal(res.values, val)
+        np.testing.assert_array_equal(res.reached, reached)
+
+
 def check_dense_and_merged(comm, seed):
     p, r = comm.Get_size(), comm.Get_rank()
     rng = np.random.default_rng(seed)
@@ -165,6 +180,7 @@ def main():
             checks.run(f"{name} allgather seed={seed}", check_allgather, comm, seed)
         checks.run(f"{name} dense+merged", check_dense_and_merged, comm, 3)
         checks.run(f"{name} concurrent", check_concurrent, comm)
+        checks.run(f"{name} results kept", check_results_kept, comm)
         checks.run(f"{name} bad input", check_bad_input, comm)
     checks.finish()
 
