@@ -1,6 +1,7 @@
 """Dense allreduce wrappers with the same conventions as the sparse collectives."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import numpy as np
@@ -8,6 +9,7 @@ from mpi4py import MPI
 
 from .errors import HvcommError, check_agree
 from .handle import Pending
+from .workspace import Workspace, pooled
 
 
 def _dense_error(array) -> Optional[str]:
@@ -47,33 +49,44 @@ def allreduce(comm: MPI.Comm, array: np.ndarray, out: Optional[np.ndarray] = Non
     return iallreduce(comm, array, out, op, check=check).wait()
 
 
-def sum_pieces(pieces: np.ndarray, acc_dtype=np.float32) -> np.ndarray:
+def sum_pieces(pieces: np.ndarray, ws: Optional[Workspace] = None,
+               acc_dtype=np.float32) -> np.ndarray:
     """The sum over axis 0 of (P, m) ``pieces``, in rank order, added in ``acc_dtype`` and
-    rounded back to the pieces' dtype once."""
-    total = pieces[0].astype(acc_dtype)
+    rounded back to the pieces' dtype once. ``ws`` lends the accumulator."""
+    total = np.empty(pieces.shape[1], acc_dtype) if ws is None else \
+        ws.get("acc", pieces.shape[1], acc_dtype)
+    total[:] = pieces[0]
     for q in range(1, pieces.shape[0]):
         total += pieces[q]
     return total.astype(pieces.dtype)
 
 
-def _cast_schedule(comm, x, add):
+@functools.lru_cache(maxsize=256)
+def _chunks(n: int, p: int, r: int):
+    """Rank q's chunk of n elements (counts, offsets), and where the P pieces of rank r's
+    chunk land in its receive buffer: Python ints, built once per (n, p, r)."""
+    counts = [n // p + (q < n % p) for q in range(p)]
+    offsets = [sum(counts[:q]) for q in range(p)]
+    mine = counts[r]
+    return (counts, offsets), ([mine] * p, [q * mine for q in range(p)])
+
+
+def _cast_steps(comm, x, add, ws: Workspace):
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1:
         return x
     flat = x.reshape(-1)  # a view, x being contiguous
-    counts = np.array([flat.size // p + (i < flat.size % p) for i in range(p)], np.int64)
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    layout, pieces_layout = _chunks(flat.size, p, r)
     # reduce-scatter as an alltoall: chunk c of every rank goes to rank c, in x.dtype
-    pieces = np.empty((p, counts[r]), x.dtype)
-    mine = counts[r]
-    yield [comm.Ialltoallv((flat, (counts, offsets)),
-                           (pieces, ([mine] * p, [q * mine for q in range(p)])))]
-    yield [comm.Iallgatherv(add(pieces), (flat, (counts, offsets)))]
+    mine = layout[0][r]
+    pieces = ws.get("pieces", p * mine, x.dtype).reshape(p, mine)
+    yield [comm.Ialltoallv((flat, layout), (pieces, pieces_layout))]
+    yield [comm.Iallgatherv(add(pieces, ws), (flat, layout))]
     return x
 
 
 def icast_allreduce(comm: MPI.Comm, x: np.ndarray,
-                    add: Callable[[np.ndarray], np.ndarray] = sum_pieces) -> Pending:
+                    add: Callable[[np.ndarray, Workspace], np.ndarray] = sum_pieces) -> Pending:
     """Sum ``x`` over ranks in place, moving ``x.dtype`` on the wire but adding in a wider
     type: for float16, whose MPI reduction runs ~100x slower than float32's in
     Open MPI (measured here), and which loses precision when summed in float16.
@@ -83,10 +96,11 @@ def icast_allreduce(comm: MPI.Comm, x: np.ndarray,
     collectives, 2(P-1)/P * d * itemsize bytes per rank, as a ring allreduce in x.dtype.
     Every rank ends with the same values (each chunk is rounded to x.dtype once, by its
     owner). Any shape: the chunks are cut from the flat view of ``x`` (C-contiguous).
-    ``add`` sums the (P, m) pieces a rank receives (default :func:`sum_pieces`, NumPy, in
-    float32); a caller with a faster float16 conversion (torch's) passes its own.
+    ``add(pieces, ws)`` sums the (P, m) pieces a rank receives, with scratch from the
+    call's workspace ``ws`` (default :func:`sum_pieces`, NumPy, in float32); a caller with
+    a faster float16 conversion (torch's) passes its own.
     """
     err = _dense_error(x)
     if err:
         raise HvcommError(f"cast_allreduce: {err}")
-    return Pending(_cast_schedule(comm, x, add))
+    return Pending(pooled(_cast_steps, comm, x, add))

@@ -11,6 +11,7 @@ from mpi4py import MPI
 from . import kernels
 from .errors import HvcommError
 from .handle import Pending
+from .workspace import Workspace, pooled
 
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 DEFAULT_TAG = 7301
@@ -45,34 +46,7 @@ def ceil_log2(p: int) -> int:
     return max(p - 1, 0).bit_length()
 
 
-class _Workspace:
-    """Scratch buffers of a sparse collective call, kept for the next call: the tree steps'
-    merged pairs (up to 2k each) and their magnitudes, the AllGather's gathered pairs and
-    partial sums. Fresh pages cost a page fault each, which on this kind of machine takes
-    as long as the merge itself. What a call returns is never in here."""
-
-    def __init__(self):
-        self._buffers = {}
-
-    def get(self, name, n: int, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        buf = self._buffers.get((name, dtype))
-        if buf is None or buf.size < n:
-            buf = self._buffers[(name, dtype)] = np.empty(max(n, 1024), dtype)
-        return buf[:n]
-
-
-_idle_workspaces = []  # calls in flight together each take their own
-
-
-def _take_workspace() -> _Workspace:
-    try:
-        return _idle_workspaces.pop()
-    except IndexError:
-        return _Workspace()
-
-
-def _largest(val: np.ndarray, k: int, ws: Optional[_Workspace] = None) -> np.ndarray:
+def _largest(val: np.ndarray, k: int, ws: Optional[Workspace] = None) -> np.ndarray:
     """Positions (ascending) of the k largest |val| (k < val.size); ties at the threshold
     go to the lower position. Linear time: introselect for the threshold, then a mask
     (vectorised, and faster than a compiled loop here) turned into positions. ``ws``
@@ -135,11 +109,11 @@ class _Step:
         return out_a[:-1], out_b[:-1]
 
 
-def _merge_step(idx_a, val_a, idx_b, val_b, k, ws: Optional[_Workspace] = None,
+def _merge_step(idx_a, val_a, idx_b, val_b, k, ws: Optional[Workspace] = None,
                 level: int = 0) -> _Step:
     """Merge two runs, sum common indices and keep the k largest |sums|; the merged pairs
     live in ``ws`` (per tree level), the k kept pairs in new arrays."""
-    ws = ws or _Workspace()
+    ws = ws or Workspace()
     if idx_a.dtype != idx_b.dtype:
         idx_a, idx_b = idx_a.astype(np.int64), idx_b.astype(np.int64)
     vdt = np.result_type(val_a, val_b)
@@ -290,17 +264,7 @@ def _children(rank: int, size: int):
     return out
 
 
-def _pooled(steps, *args):
-    """Run the schedule ``steps(*args, ws)`` with a workspace of its own, returned to the
-    idle ones when it ends."""
-    ws = _take_workspace()
-    try:
-        return (yield from steps(*args, ws))
-    finally:
-        _idle_workspaces.append(ws)
-
-
-def _gtopk_steps(comm, mine: _Input, k, tag, ws: _Workspace):
+def _gtopk_steps(comm, mine: _Input, k, tag, ws: Workspace):
     rank, size = comm.Get_rank(), comm.Get_size()
     head = mine.header
     idt, vdt = mine.indices.dtype, mine.values.dtype
@@ -398,7 +362,7 @@ def igtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d:
     input costs one pass, unsorted input is sorted first.
     """
     mine = _prepare(comm, indices, values, d, k, check)
-    return Pending(_pooled(_gtopk_steps, comm, mine, k, tag))
+    return Pending(pooled(_gtopk_steps, comm, mine, k, tag))
 
 
 def gtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int, k: int,
@@ -407,7 +371,7 @@ def gtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
     return igtopk_allreduce(comm, indices, values, d, k, tag=tag, check=check).wait()
 
 
-def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray, ws: _Workspace):
+def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray, ws: Workspace):
     """Sum P sorted runs into new arrays, a common index's values added in rank order. Up
     to 4 runs one merge after another (O(kP^2), but a tighter loop than the heap's; the
     partial sums live in ``ws``), else the heap merge (O(kP log P))."""
@@ -430,7 +394,7 @@ def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray, ws: _Workspa
     return acc_idx, acc_val
 
 
-def _allgather_steps(comm, mine: _Input, ws: _Workspace):
+def _allgather_steps(comm, mine: _Input, ws: Workspace):
     size = comm.Get_size()
     idt, vdt = mine.indices.dtype, mine.values.dtype
     head = mine.header
@@ -467,7 +431,7 @@ def itopk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
     Checks as for :func:`igtopk_allreduce`; the headers travel with the counts.
     """
     mine = _prepare(comm, indices, values, d, k, check)
-    return Pending(_pooled(_allgather_steps, comm, mine))
+    return Pending(pooled(_allgather_steps, comm, mine))
 
 
 def topk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: int,

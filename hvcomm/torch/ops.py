@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -11,6 +10,7 @@ from mpi4py import MPI
 
 from collectives.dense import icast_allreduce
 from collectives.errors import HvcommError
+from collectives.workspace import Workspace
 
 from .engine import Handle
 from .negotiation import join_loop, negotiate
@@ -44,29 +44,13 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
-class _Scratch(threading.local):
-    """Per-thread float32 buffers for :func:`sum_pieces_torch`, grown as needed and reused
-    across calls (a training step sums the same bucket sizes every step)."""
-
-    def __init__(self):
-        self.acc = torch.empty(0)
-        self.piece = torch.empty(0)
-
-    def take(self, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.acc.numel() < m:
-            self.acc, self.piece = torch.empty(m), torch.empty(m)
-        return self.acc[:m], self.piece[:m]
-
-
-_scratch = _Scratch()
-
-
-def sum_pieces_torch(pieces: np.ndarray) -> np.ndarray:
+def sum_pieces_torch(pieces: np.ndarray, ws: Workspace) -> np.ndarray:
     """collectives.dense.sum_pieces (rank order, float32, rounded once) with torch's
     vectorised conversions. Each float16 piece is widened into a float32 buffer before it
     is added: torch's mixed-dtype add is ~8x slower than a widening copy and a float32 add."""
     m = pieces.shape[1]
-    acc, wide = _scratch.take(m)
+    acc = torch.from_numpy(ws.get("acc", m, np.float32))
+    wide = torch.from_numpy(ws.get("wide", m, np.float32))
     acc.copy_(torch.from_numpy(pieces[0]))
     for q in range(1, pieces.shape[0]):
         wide.copy_(torch.from_numpy(pieces[q]))
