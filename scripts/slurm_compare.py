@@ -27,7 +27,9 @@ def sbatch(nodes: int, launcher: str, train_args, out_dir: Path) -> dict:
     """Submit slurm/ethernet.sbatch, wait for it, and return the run's JSON and log."""
     result = out_dir / f"sbatch-{launcher}-{nodes}.json"
     log = ROOT / "results" / "slurm" / f"hvcomm-eth-{launcher}-{nodes}nodes.out"
-    env = {**slurm_local.slurm_env(), "LAUNCHER": launcher}
+    # the emulated nodes share this machine's cores: let idle ranks yield, as every local
+    # run does (hvcomm.launch.mpi_env), not spin as a rank with a node of its own may
+    env = {**slurm_local.slurm_env(), "LAUNCHER": launcher, "OMPI_MCA_mpi_yield_when_idle": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(["sbatch", "--wait", f"--nodes={nodes}", "--ntasks-per-node=1",
                            f"--output={log}", "slurm/ethernet.sbatch", str(TRAIN), *train_args,
@@ -90,7 +92,8 @@ def main() -> None:
         report.setting(slurm=subprocess.run(["sbatch", "--version"], capture_output=True,
                                             text=True).stdout.strip(),
                        cluster=f"local Slurm (hvcomm.slurm_local): one slurmd per emulated node,"
-                               f" {args.rate} per link (tc tbf), 1 rank per node",
+                               f" {args.rate} per link (tc tbf), 1 rank per node; every run "
+                               "with OMPI_MCA_mpi_yield_when_idle=1 (the nodes share 2 cores)",
                        run=f"scripts/train_digits.py {' '.join(train_args)}",
                        timing="throughput over the training epochs, as train_digits.py reports "
                               "it; job wall time includes queueing and start-up"),
