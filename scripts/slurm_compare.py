@@ -89,7 +89,7 @@ def main() -> None:
         shutil.rmtree(out_dir, ignore_errors=True)
     path = report.write(
         "slurm_local", "slurm/ethernet.sbatch under a real Slurm, beside plain mpirun",
-        report.setting(slurm=subprocess.run(["sbatch", "--version"], capture_output=True,
+        report.setting(slurm=subprocess.run(["slurmctld", "-V"], capture_output=True,
                                             text=True).stdout.strip(),
                        cluster=f"local Slurm (hvcomm.slurm_local): one slurmd per emulated node,"
                                f" {args.rate} per link (tc tbf), 1 rank per node; every run "
