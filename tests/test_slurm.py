@@ -73,3 +73,13 @@ def test_missing_environment_fails_at_once(slurm):
     assert rc != 0, log
     assert "cannot start this job: no environment at /nonexistent" in log, log
     assert "world size" not in log, log
+
+
+def test_infiniband_job_refuses_the_pypi_open_mpi(slurm):
+    """This environment holds the PyPI Open MPI: the InfiniBand job must stop before any rank
+    starts, saying how to build against the site's MPI."""
+    rc, log = submit(slurm, "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1",
+                     "slurm/infiniband.sbatch", "--epochs", "1")
+    assert rc != 0, log
+    assert "not the site's MPI" in log and "HVCOMM_SYSTEM_MPI=1" in log, log
+    assert "world size" not in log, log
