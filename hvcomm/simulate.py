@@ -1,0 +1,198 @@
+"""Iteration time of every method at any number of workers, from a per-layer trace (pure: no
+MPI calls, no torch).
+
+A :class:`LayerTrace` gives, for one iteration of one worker, each layer's parameters and its
+forward and backward time. A :class:`Network` gives the alpha-beta cost of a message. From
+them :func:`iteration` predicts one method's iteration time at P workers:
+
+- dense S-SGD under hvcomm's schedules (``wfbp``, ``single``, ``threshold``, ``mgwfbp``):
+  the planner's pipeline (:mod:`hvcomm.planner`) with the ring allreduce's cost at P;
+- ``topk`` (Top-k AllGather) and ``gtopk`` (gTopKAllReduce), one message of k pairs after
+  backward, plus the local compute: top-k selection over the d gradients, and merging
+  (gTop-k: ceil(log2 P) merges of 2k pairs; AllGather: the sum of P*k pairs);
+- ``od-sgd``: dense allreduce of the whole model overlapped with the next iteration's forward
+  and backward (one message per iteration, its cost hidden up to the computation's length).
+
+Compute costs per element (:class:`ComputeCost`) come from the trace's device: this
+machine's measured figures for a CPU trace, a stated assumption for a GPU trace (:data:`COMPUTE`);
+a caller can pass its own.
+Scaling efficiency is the iteration time of one worker (computation only) over the iteration
+time at P, i.e. throughput(P) / (P * throughput(1)).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from collectives.cost import (AlphaBeta, gtopk_allreduce_s, ring_allreduce_s,
+                              topk_allgather_s)
+from collectives.errors import HvcommError
+
+from . import planner
+
+DENSE = ("wfbp", "single", "threshold", "mgwfbp")
+METHODS = (*DENSE, "topk", "gtopk", "od-sgd")
+TRACES = Path(__file__).resolve().parent / "traces"
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    params: int
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """One worker's iteration: layers in forward order, the optimizer update after
+    communication, the batch per worker, and where the times come from."""
+
+    model: str
+    layers: Tuple[Layer, ...]
+    batch: int
+    update_s: float = 0.0
+    bytes_per_param: int = 4
+    source: str = ""
+    device: str = "cpu"      # where the times come from: "cpu" (measured here) or "gpu"
+
+    @property
+    def compute_s(self) -> float:
+        """Forward, backward and update of one worker with no communication."""
+        return sum(l.forward_s + l.backward_s for l in self.layers) + self.update_s
+
+    @property
+    def params(self) -> int:
+        return sum(l.params for l in self.layers)
+
+    def planner_trace(self) -> planner.Trace:
+        """The planner's view: gradients in backward order (last layer first), each ready when
+        its layer's backward ends."""
+        t = sum(l.forward_s for l in self.layers)
+        ready, nbytes = [], []
+        for layer in reversed(self.layers):
+            t += layer.backward_s
+            if layer.params:
+                ready.append(t)
+                nbytes.append(layer.params * self.bytes_per_param)
+        return planner.Trace(tuple(ready), tuple(nbytes), self.update_s, backward_end_s=t)
+
+    @classmethod
+    def load(cls, path) -> "LayerTrace":
+        data = json.loads(Path(path).read_text())
+        layers = tuple(Layer(l["name"], int(l["params"]), float(l["forward_s"]),
+                             float(l["backward_s"])) for l in data["layers"])
+        return cls(data["model"], layers, int(data["batch"]), float(data.get("update_s", 0.0)),
+                   int(data.get("bytes_per_param", 4)), data.get("source", ""),
+                   data.get("device", "cpu"))
+
+
+@dataclass(frozen=True)
+class Network:
+    """Per-message latency and link bandwidth between workers (one link per worker)."""
+
+    name: str
+    alpha_s: float
+    bandwidth_bit_s: float
+
+    @property
+    def alpha_beta(self) -> AlphaBeta:
+        return AlphaBeta.from_link(self.alpha_s, self.bandwidth_bit_s)
+
+
+# latencies: typical MPI-over-TCP small-message latency on Ethernet (tens of microseconds),
+# and verbs latency on InfiniBand EDR; assumptions, stated, not measured here
+NETWORKS = {
+    "1gbit": Network("1gbit", 50e-6, 1e9),
+    "10gbit": Network("10gbit", 30e-6, 10e9),
+    "25gbit": Network("25gbit", 20e-6, 25e9),
+    "100gbit": Network("100gbit", 10e-6, 100e9),
+    "ib-edr": Network("ib-edr", 2e-6, 100e9),
+}
+
+
+def network(name: str) -> Network:
+    if name not in NETWORKS:
+        raise HvcommError(f"unknown network {name!r}; choose one of {sorted(NETWORKS)}")
+    return NETWORKS[name]
+
+
+@dataclass(frozen=True)
+class ComputeCost:
+    """Local compute of the sparse methods, seconds per element."""
+
+    select_s_per_element: float   # top-k of d gradients (threshold and mask)
+    merge_s_per_pair: float       # gTop-k tree step: merge, sum, select, per input pair
+    sum_s_per_pair: float         # AllGather: summing the P*k gathered pairs
+
+
+COMPUTE = {
+    # this machine, one core: bench_selection.py (d=25M: ~0.1 s) and the compute columns of
+    # results/collectives_shm.md (gTop-k P=2: 0.79 ms for 2k=52K pairs)
+    "cpu": ComputeCost(4.0e-9, 1.5e-8, 1.0e-8),
+    # a GPU: selection and merging at about a tenth of the CPU's per-element time (an
+    # assumption: memory-bound kernels at ~10x the bandwidth), not measured here
+    "gpu": ComputeCost(4.0e-10, 1.5e-9, 1.0e-9),
+}
+@dataclass(frozen=True)
+class Prediction:
+    method: str
+    workers: int
+    iteration_s: float
+    compute_s: float        # one worker's computation (the P=1 iteration)
+    batch: int
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over all workers."""
+        return self.workers * self.batch / self.iteration_s
+
+    @property
+    def efficiency(self) -> float:
+        return self.compute_s / self.iteration_s
+
+
+def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
+              density: float = 0.001, compute: Optional[ComputeCost] = None,
+              threshold_bytes: int = 25 << 20) -> Prediction:
+    """Predicted iteration time of ``method`` at ``workers`` (see the module's docstring).
+    ``compute`` defaults to the costs of the trace's device (:data:`COMPUTE`)."""
+    if method not in METHODS:
+        raise HvcommError(f"unknown method {method!r}; choose one of {METHODS}")
+    if workers < 1:
+        raise HvcommError(f"workers must be >= 1, got {workers}")
+    if not 0 < density <= 1:
+        raise HvcommError(f"density must be in (0, 1], got {density}")
+    p, ab, base = workers, net.alpha_beta, trace.compute_s
+    compute = compute or COMPUTE[trace.device]
+    if p == 1:
+        return Prediction(method, 1, base, base, trace.batch)
+    if method in DENSE:
+        cost = planner.Cost(2 * (p - 1) * ab.alpha_s, 2 * (p - 1) / p * ab.beta_s_per_byte)
+        t = planner.predict(method, trace.planner_trace(), cost, threshold_bytes).iteration_s
+        return Prediction(method, p, t, base, trace.batch)
+    d = trace.params
+    nbytes = d * trace.bytes_per_param
+    if method == "od-sgd":
+        comm = ring_allreduce_s(p, nbytes, ab)
+        busy = base - trace.update_s
+        return Prediction(method, p, max(busy, comm) + trace.update_s, base, trace.batch)
+    k = max(int(density * d), 1)
+    pair = 4 + trace.bytes_per_param
+    select = d * compute.select_s_per_element
+    if method == "gtopk":
+        rounds = max(p - 1, 0).bit_length()
+        comm = gtopk_allreduce_s(p, k, pair, ab) + rounds * 2 * k * compute.merge_s_per_pair
+    else:
+        comm = topk_allgather_s(p, k, pair, ab) + p * k * compute.sum_s_per_pair
+    return Prediction(method, p, base + select + comm, base, trace.batch)
+
+
+def compare(trace: LayerTrace, workers: int, net: Network, density: float = 0.001,
+            compute: Optional[ComputeCost] = None,
+            methods: Sequence[str] = METHODS) -> List[Prediction]:
+    """Every method's prediction, fastest first."""
+    return sorted((iteration(m, trace, workers, net, density, compute) for m in methods),
+                  key=lambda r: r.iteration_s)

@@ -1,0 +1,65 @@
+"""Write the per-layer traces of hvcomm/traces/: each model's layers (hvcomm.models, built here)
+timed for a named GPU from their FLOPs and a stated sustained throughput.
+
+    python scripts/make_traces.py            # every model for every GPU below
+
+A layer's forward time is its FLOPs times the batch over the GPU's sustained FLOP/s; its
+backward time twice that (input and weight gradients, the usual estimate); the update reads
+and writes 16 bytes per parameter (SGD with momentum, float32) at the GPU's memory bandwidth.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hvcomm.models import MODELS, layer_profile
+from hvcomm.simulate import TRACES
+
+# peak float32 FLOP/s and memory bandwidth from the vendors' datasheets; the sustained
+# fraction of peak is an assumption (cuDNN reaches 40-60% of fp32 peak on these layers)
+GPUS = {
+    "p102-100": dict(peak_flop_s=10.8e12, memory_b_s=440e9,
+                     note="NVIDIA P102-100 (the gTop-k paper's GPU): 10.8 TFLOP/s fp32 peak"),
+    "v100": dict(peak_flop_s=15.7e12, memory_b_s=900e9,
+                 note="NVIDIA V100 SXM2: 15.7 TFLOP/s fp32 peak, 900 GB/s"),
+    "a100": dict(peak_flop_s=19.5e12, memory_b_s=1555e9,
+                 note="NVIDIA A100 40GB: 19.5 TFLOP/s fp32 peak (no TF32), 1555 GB/s"),
+}
+SUSTAINED = 0.5
+BATCH = {"resnet20": 128, "resnet50": 64, "vgg16": 64, "bert-base": 32}
+
+
+def trace(model: str, gpu: str) -> dict:
+    spec = GPUS[gpu]
+    flop_s = spec["peak_flop_s"] * SUSTAINED
+    batch = BATCH[model]
+    layers = layer_profile(model)
+    params = sum(l["params"] for l in layers)
+    return {
+        "model": model, "batch": batch, "bytes_per_param": 4, "device": "gpu",
+        "update_s": 16 * params / spec["memory_b_s"],
+        "source": (f"estimated for {spec['note']}; sustained {SUSTAINED:.0%} of peak (assumed); "
+                   f"forward = FLOPs x batch {batch} / sustained; backward = 2 x forward; "
+                   "FLOPs from hvcomm.models.layer_profile (scripts/make_traces.py)"),
+        "layers": [{"name": l["name"], "shapes": l["shapes"], "params": l["params"],
+                    "forward_flops": l["forward_flops"],
+                    "forward_s": l["forward_flops"] * batch / flop_s,
+                    "backward_s": 2 * l["forward_flops"] * batch / flop_s} for l in layers],
+    }
+
+
+def main() -> None:
+    TRACES.mkdir(exist_ok=True)
+    for model in MODELS:
+        for gpu in GPUS:
+            path = TRACES / f"{model}-{gpu}.json"
+            data = trace(model, gpu)
+            path.write_text(json.dumps(data, indent=1) + "\n")
+            step = sum(l["forward_s"] + l["backward_s"] for l in data["layers"])
+            print(f"{path.relative_to(TRACES.parent.parent)}: {len(data['layers'])} layers, "
+                  f"{sum(l['params'] for l in data['layers']) / 1e6:.1f}M parameters, "
+                  f"{step * 1e3:.1f} ms forward+backward at batch {data['batch']}")
+
+
+if __name__ == "__main__":
+    main()

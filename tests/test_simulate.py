@@ -1,0 +1,100 @@
+"""hvcomm.simulate against cases computed by hand, the shipped traces, and the advisor."""
+import subprocess
+import sys
+
+import pytest
+
+from collectives.errors import HvcommError
+from hvcomm import simulate as S
+
+NET = S.Network("test", 10e-6, 1e9)          # alpha 10 us, beta 8 ns per byte
+FREE = S.ComputeCost(0.0, 0.0, 0.0)          # communication only
+
+
+def trace(*layers, update_s=0.5e-3):
+    """layers: (params, forward_s, backward_s) in forward order."""
+    return S.LayerTrace("t", tuple(S.Layer(f"l{i}", p, f, b) for i, (p, f, b) in
+                                   enumerate(layers)), batch=8, update_s=update_s)
+
+
+ONE = trace((1000, 1e-3, 2e-3))
+TWO = trace((1000, 0.5e-3, 2e-3), (3000, 0.5e-3, 1e-3))
+
+
+def ms(method, t, p, **kw):
+    return S.iteration(method, t, p, NET, **kw).iteration_s * 1e3
+
+
+@pytest.mark.parametrize("method", S.METHODS)
+def test_one_worker_is_computation_only(method):
+    r = S.iteration(method, TWO, 1, NET)
+    assert r.iteration_s == pytest.approx(4.5e-3) and r.efficiency == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("method", S.DENSE)
+def test_one_bucket(method):
+    # ring at P=4: 2*3*10 us + 2*3/4 * 4000 B * 8 ns = 60 + 48 us, after 3 ms, then 0.5 ms
+    assert ms(method, ONE, 4) == pytest.approx(3.608)
+
+
+def test_wfbp_overlaps_and_single_waits():
+    # P=2, T(n) = 20 us + n * 8 ns. Backward order: l1 (12000 B) ready at 1+1 = 2 ms, ends
+    # 2.116 ms; l0 (4000 B) ready at 4 ms, ends 4.052 ms; + 0.5 ms update
+    assert ms("wfbp", TWO, 2) == pytest.approx(4.552)
+    # one message of 16000 B at 4 ms: 20 + 128 us
+    assert ms("single", TWO, 2) == pytest.approx(4.648)
+    assert ms("mgwfbp", TWO, 2) == pytest.approx(4.552)   # the best grouping is WFBP here
+
+
+@pytest.mark.parametrize("p, rounds", [(4, 2), (6, 3)])
+def test_gtopk_rounds_power_and_non_power_of_two(p, rounds):
+    t = trace((4000, 1e-3, 2e-3))            # d = 4000, density 0.01: k = 40, 8-byte pairs
+    comm_us = 2 * rounds * 10 + rounds * 40 * 17 * 8e-3   # pairs up and down, + mask bytes
+    assert ms("gtopk", t, p, density=0.01, compute=FREE) == pytest.approx(3.5 + comm_us / 1e3)
+    cost = S.ComputeCost(1e-9, 1e-8, 0.0)    # selection of 4000, merges of 2k pairs per round
+    extra_us = 4000 * 1e-3 + rounds * 80 * 1e-2
+    assert ms("gtopk", t, p, density=0.01, compute=cost) == \
+        pytest.approx(3.5 + (comm_us + extra_us) / 1e3)
+
+
+def test_topk_allgather_grows_with_p():
+    t = trace((4000, 1e-3, 2e-3))
+    # P=6: counts and pairs, 2*ceil(log2 6) = 6 latencies; 5 * 40 pairs of 8 B received
+    assert ms("topk", t, 6, density=0.01, compute=FREE) == pytest.approx(3.5 + (60 + 12.8) / 1e3)
+
+
+def test_od_sgd_hides_communication_up_to_the_computation():
+    # ring at P=2 of 4000 B: 52 us, hidden by 3 ms of forward and backward
+    assert ms("od-sgd", ONE, 2) == pytest.approx(3.5)
+    slow = S.Network("slow", 10e-6, 1e6)     # 1 Mbit/s: 20 us + 32 ms, not hidden
+    assert S.iteration("od-sgd", ONE, 2, slow).iteration_s * 1e3 == pytest.approx(32.02 + 0.5)
+
+
+def test_bad_input():
+    with pytest.raises(HvcommError, match="unknown method"):
+        S.iteration("allgatherx", ONE, 2, NET)
+    with pytest.raises(HvcommError, match="workers"):
+        S.iteration("gtopk", ONE, 0, NET)
+    with pytest.raises(HvcommError, match="unknown network"):
+        S.network("2gbit")
+
+
+def test_shipped_traces_load():
+    for path in sorted(S.TRACES.glob("*.json")):
+        t = S.LayerTrace.load(path)
+        assert t.params > 0 and t.compute_s > 0 and t.source, path
+    assert S.LayerTrace.load(S.TRACES / "resnet50-v100.json").params == 25_557_032
+
+
+def test_advisor_ranks_best_first():
+    proc = subprocess.run([sys.executable, "-m", "hvcomm.advise", "--model", "vgg16", "--gpu",
+                           "v100", "--workers", "32", "--net", "1gbit"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "method" not in line]
+    times = [float(r[1]) for r in rows]
+    assert len(rows) == len(S.METHODS) and times == sorted(times), proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "hvcomm.advise", "--model", "vgg16", "--gpu",
+                          "h900", "--workers", "4"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "available" in bad.stderr, bad.stderr
