@@ -43,6 +43,7 @@ class Layer:
     params: int
     forward_s: float
     backward_s: float
+    shapes: Tuple[Tuple[int, ...], ...] = ()   # its parameter tensors' shapes, if known
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,9 @@ class LayerTrace:
     def load(cls, path) -> "LayerTrace":
         data = json.loads(Path(path).read_text())
         layers = tuple(Layer(l["name"], int(l["params"]), float(l["forward_s"]),
-                             float(l["backward_s"])) for l in data["layers"])
+                             float(l["backward_s"]),
+                             tuple(tuple(int(n) for n in shape) for shape in l.get("shapes", ())))
+                       for l in data["layers"])
         return cls(data["model"], layers, int(data["batch"]), float(data.get("update_s", 0.0)),
                    int(data.get("bytes_per_param", 4)), data.get("source", ""),
                    data.get("device", "cpu"))

@@ -1,0 +1,41 @@
+"""Replay mode: the traced model's shapes and times, and a short replay at P=2 through the real
+DistributedOptimizer (scripts/replay.py's worker)."""
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hvcomm import netem, simulate
+from hvcomm.replay import ReplayModel
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = simulate.LayerTrace.load(simulate.TRACES / "resnet20-v100.json")
+
+
+def test_replay_model_has_the_traced_shapes_and_takes_at_least_their_time():
+    model = ReplayModel(TRACE)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes == [s for layer in TRACE.layers for s in layer.shapes]
+    model().backward()  # warm-up
+    t0 = time.perf_counter()
+    model().backward()
+    elapsed = time.perf_counter() - t0
+    assert elapsed >= 0.99 * (TRACE.compute_s - TRACE.update_s)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    # another rank replays other gradients
+    other = ReplayModel(TRACE, rank=1)
+    other().backward()
+    assert not torch.equal(next(model.parameters()).grad, next(other.parameters()).grad)
+
+
+def test_replay_at_two_ranks():
+    out = Path(tempfile.mkdtemp(prefix="hvcomm-replay-test-")) / "replay.json"
+    res = netem.run_worker(2, [str(ROOT / "scripts" / "replay.py"), "--worker", "--trace",
+                               "resnet20-v100", "--methods", "wfbp", "gtopk", "od-sgd",
+                               "--warmup", "3", "--steps", "3"], timeout=300, out=out)
+    assert res["ranks"] == 2
+    assert set(res["rows"]) == {"wfbp", "gtopk", "od-sgd"}
+    floor = TRACE.compute_s - TRACE.update_s   # the waits alone
+    assert all(t >= 0.99 * floor for t in res["rows"].values()), res
+    assert res["alpha_s"] > 0 and res["beta_s_per_byte"] > 0
