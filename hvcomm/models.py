@@ -49,11 +49,14 @@ class _Bottleneck(nn.Module):
         return torch.relu(y + (x if self.short is None else self.short(x)))
 
 
-def resnet20() -> nn.Module:
+def cifar_resnet(depth: int = 20) -> nn.Module:
+    """CIFAR-10 ResNet-(6n+2): 16/32/64 channels, n basic blocks per stage."""
+    if (depth - 2) % 6:
+        raise ValueError(f"a CIFAR ResNet has depth 6n+2 (20, 32, 44, 56), got {depth}")
     layers: List[nn.Module] = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
     cin = 16
     for cout, stride in ((16, 1), (32, 2), (64, 2)):
-        for b in range(3):
+        for b in range((depth - 2) // 6):
             layers.append(_Basic(cin, cout, stride if b == 0 else 1))
             cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
@@ -136,7 +139,7 @@ def bert_base() -> nn.Module:
 
 
 MODELS = {
-    "resnet20": (resnet20, lambda: torch.zeros(1, 3, 32, 32)),
+    "resnet20": (cifar_resnet, lambda: torch.zeros(1, 3, 32, 32)),
     "resnet50": (resnet50, lambda: torch.zeros(1, 3, 224, 224)),
     "vgg16": (vgg16, lambda: torch.zeros(1, 3, 224, 224)),
     "bert-base": (bert_base, lambda: torch.zeros(1, 128, dtype=torch.long)),

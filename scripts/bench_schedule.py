@@ -18,33 +18,12 @@ SCHEDULES = ("wfbp", "single", "threshold", "merge_rule", "mgwfbp", "p3", "p3:10
 
 
 def build_model(name: str):
-    import torch
     from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self, cin, cout, stride):
-            super().__init__()
-            self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-            self.b1 = nn.BatchNorm2d(cout)
-            self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-            self.b2 = nn.BatchNorm2d(cout)
-            self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                        nn.BatchNorm2d(cout))
-                          if stride != 1 or cin != cout else nn.Identity())
+    from hvcomm.models import cifar_resnet
 
-        def forward(self, x):
-            h = torch.relu(self.b1(self.c1(x)))
-            return torch.relu(self.b2(self.c2(h)) + self.short(x))
-
-    if name.startswith("resnet"):  # CIFAR ResNet-(6n+2): 16/32/64 channels
-        n = (int(name[6:]) - 2) // 6
-        layers, cin = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()], 16
-        for cout, stride in ((16, 1), (32, 2), (64, 2)):
-            for b in range(n):
-                layers.append(Block(cin, cout, stride if b == 0 else 1))
-                cin = cout
-        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
-        return nn.Sequential(*layers)
+    if name.startswith("resnet"):  # CIFAR ResNet-(6n+2)
+        return cifar_resnet(int(name[6:]))
     if name == "vgg":  # small VGG-style features, one huge classifier layer (VGG's fc6)
         def conv(cin, cout):
             return [nn.Conv2d(cin, cout, 3, 1, 1), nn.ReLU()]

@@ -10,7 +10,6 @@ and writes 16 bytes per parameter (SGD with momentum, float32) at the GPU's memo
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from hvcomm.models import MODELS, layer_profile
 from hvcomm.simulate import TRACES

@@ -3,7 +3,7 @@ reduce-scatter, the object collectives and the barrier, with Horovod's names and
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import numpy as np
 import torch

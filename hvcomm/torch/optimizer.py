@@ -11,8 +11,6 @@ import torch
 
 from collectives.errors import HvcommError, raise_together
 
-from hvcomm import planner
-
 from . import timeline
 from .compression import Compression, Compressor
 from .delayed import Delayed

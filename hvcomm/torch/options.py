@@ -15,7 +15,7 @@ from collectives.errors import HvcommError
 
 from .buckets import ONE_BUCKET_BYTES, plan_groups
 from .compression import Compressor, NoneCompressor
-from .delayed import Delay, Delayed, as_delay
+from .delayed import Delayed, as_delay
 from .ops import Adasum, Average, Sum
 from .p3 import P3
 from .process_sets import ProcessSet, global_process_set

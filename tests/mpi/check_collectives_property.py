@@ -7,7 +7,6 @@ from a seed, so each rank computes the reference itself. Each example's verdict 
 over the ranks before anything is raised, so all ranks fail, and shrink, together."""
 import sys
 
-import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
