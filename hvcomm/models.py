@@ -1,5 +1,5 @@
 """The models whose traces the simulator and the replay use, built here from torch layers (no
-downloads): ResNet-20 (CIFAR-10), ResNet-50 and VGG-16 (ImageNet), BERT-base (sequence 128),
+downloads): ResNet-20 (CIFAR-10, :func:`cifar_resnet`), ResNet-50 and VGG-16 (ImageNet), BERT-base (sequence 128),
 and :func:`layer_profile`, each parameterised module's parameters and forward FLOPs per sample.
 """
 from __future__ import annotations
