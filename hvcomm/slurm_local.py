@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 from collectives.errors import HvcommError
 
@@ -97,12 +97,8 @@ def missing() -> Optional[str]:
     lacking = [p for p in PROGRAMS if shutil.which(p) is None]
     if lacking:
         return (f"{', '.join(lacking)} not installed: run scripts/slurm_local.sh up (installs "
-                "Debian's slurm-wlm and munge), or apt-get install slurm-wlm munge")
+                "Debian's slurm-wlm, munge and libpmix-dev), or apt-get install them")
     return None
-
-
-def _node_addresses(nodes: int) -> List[str]:
-    return [f"{NET}.{i + 1}" for i in range(nodes)]
 
 
 def _cluster(nodes: int, rate: str) -> netem.EmulatedCluster:
