@@ -159,9 +159,12 @@ class Prediction:
 
 def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
               density: float = 0.001, compute: Optional[ComputeCost] = None,
-              threshold_bytes: int = 25 << 20) -> Prediction:
+              threshold_bytes: int = 25 << 20, local_s: Optional[float] = None) -> Prediction:
     """Predicted iteration time of ``method`` at ``workers`` (see the module's docstring).
-    ``compute`` defaults to the costs of the trace's device (:data:`COMPUTE`)."""
+    ``compute`` defaults to the costs of the trace's device (:data:`COMPUTE`). ``local_s``:
+    a measured per-iteration cost beyond the trace on one worker (the method's selection and
+    error feedback, the framework's hooks and update), e.g. a replay at P=1 minus the trace;
+    it then stands in for the modelled selection cost, and is on the critical path."""
     if method not in METHODS:
         raise HvcommError(f"unknown method {method!r}; choose one of {METHODS}")
     if workers < 1:
@@ -170,21 +173,24 @@ def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
         raise HvcommError(f"density must be in (0, 1], got {density}")
     p, ab, base = workers, net.alpha_beta, trace.compute_s
     compute = compute or COMPUTE[trace.device]
-    if p == 1:
-        return Prediction(method, 1, base, base, trace.batch)
+    d = trace.params
+    sparse = method in ("topk", "gtopk")
+    extra = local_s if local_s is not None else \
+        (d * compute.select_s_per_element if sparse else 0.0)
+    if p == 1:  # one worker communicates and compresses nothing
+        return Prediction(method, 1, base + (local_s or 0.0), base, trace.batch)
     if method in DENSE:
         cost = planner.Cost(2 * (p - 1) * ab.alpha_s, 2 * (p - 1) / p * ab.beta_s_per_byte)
         t = planner.predict(method, trace.planner_trace(), cost, threshold_bytes).iteration_s
-        return Prediction(method, p, t, base, trace.batch)
-    d = trace.params
+        return Prediction(method, p, t + extra, base, trace.batch)
     nbytes = d * trace.bytes_per_param
     if method == "od-sgd":
         comm = ring_allreduce_s(p, nbytes, ab)
-        busy = base - trace.update_s
+        busy = base - trace.update_s + extra
         return Prediction(method, p, max(busy, comm) + trace.update_s, base, trace.batch)
     k = max(int(density * d), 1)
     pair = 4 + trace.bytes_per_param
-    select = d * compute.select_s_per_element
+    select = extra
     if method == "gtopk":
         rounds = max(p - 1, 0).bit_length()
         comm = gtopk_allreduce_s(p, k, pair, ab) + rounds * 2 * k * compute.merge_s_per_pair

@@ -4,9 +4,10 @@ each method's measured iteration time beside hvcomm.simulate's prediction.
     python scripts/replay.py --trace resnet50-v100 --sizes 2 4 8 --net 1gbit
     python scripts/replay.py --trace resnet20-v100 --sizes 2 --methods wfbp gtopk --steps 5
 
-Driver (default): one mpirun per P (one emulated host per rank with --net), every method in
-turn; writes results/replay_<trace>_<net>.md. The prediction uses alpha and beta calibrated on
-the same communicator in the same run. Worker (--worker): runs under mpirun.
+Driver (default): one rank first (each method's local cost beyond the trace on this machine),
+then one mpirun per P (one emulated host per rank with --net), every method in turn; writes
+results/replay_<trace>_<net>.md. The prediction uses alpha and beta calibrated on the same
+communicator in the same run, and the P=1 local costs. Worker (--worker): runs under mpirun.
 """
 from __future__ import annotations
 
@@ -97,17 +98,24 @@ def main() -> None:
     trace = simulate.LayerTrace.load(trace_path(args.trace))
     net, label = netem.resolve_net(args.net)
     tmp, rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), []
+    argv = [__file__, "--worker", "--trace", args.trace, "--density", str(args.density),
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--methods", *args.methods]
+    # one rank first: each method's cost on this machine beyond the trace (its selection and
+    # error feedback, the hooks, the update), which the predictions at P > 1 then include
+    alone = netem.run_worker(1, argv, timeout=3600, out=tmp / "1.json")["rows"]
+    local = {m: t - trace.compute_s for m, t in alone.items()}
+    for method, measured in alone.items():
+        rows.append({"P": 1, "method": method, "measured ms": round(measured * 1e3, 1),
+                     "local ms (beyond the trace)": round(local[method] * 1e3, 1)})
     for p in args.sizes:
-        argv = [__file__, "--worker", "--trace", args.trace, "--density", str(args.density),
-                "--warmup", str(args.warmup), "--steps", str(args.steps),
-                "--methods", *args.methods]
         res = netem.run_worker(p, argv, timeout=3600, out=tmp / f"{p}.json", net=net)
         fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"])
         for method, measured in res["rows"].items():
             row = {"P": p, "method": method, "measured ms": round(measured * 1e3, 1)}
             if method in PREDICTED:
-                pred = simulate.iteration(PREDICTED[method], trace, p, fitted,
-                                          args.density).iteration_s
+                pred = simulate.iteration(PREDICTED[method], trace, p, fitted, args.density,
+                                          compute=simulate.COMPUTE["cpu"],
+                                          local_s=local[method]).iteration_s
                 row.update({"predicted ms": round(pred * 1e3, 1),
                             "predicted / measured": round(pred / measured, 3),
                             "within 15%": abs(pred / measured - 1) <= 0.15})
@@ -123,7 +131,9 @@ def main() -> None:
                                              f"{args.steps} (slowest rank)",
                                        density=str(args.density),
                                        prediction="hvcomm.simulate with alpha and beta "
-                                                  "calibrated in the same mpirun"),
+                                                  "calibrated in the same mpirun, each method's "
+                                                  "local cost from the P=1 replay, and this "
+                                                  "machine's merge/sum costs (COMPUTE['cpu'])"),
                         report.table(rows) + summary)
     print(f"written to {path.relative_to(report.ROOT)}")
 

@@ -98,3 +98,12 @@ def test_advisor_ranks_best_first():
     bad = subprocess.run([sys.executable, "-m", "hvcomm.advise", "--model", "vgg16", "--gpu",
                           "h900", "--workers", "4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "available" in bad.stderr, bad.stderr
+
+
+def test_measured_local_cost_replaces_the_modelled_selection():
+    t = trace((4000, 1e-3, 2e-3))
+    lots = S.ComputeCost(1.0, 0.0, 0.0)      # a modelled selection of 4000 s: must not count
+    got = ms("gtopk", t, 4, density=0.01, compute=lots, local_s=2e-3)
+    assert got == pytest.approx(3.5 + 2.0 + (2 * 2 * 10 + 2 * 40 * 17 * 8e-3) / 1e3)
+    assert ms("wfbp", ONE, 4, local_s=1e-3) == pytest.approx(3.608 + 1.0)
+    assert ms("od-sgd", ONE, 1, local_s=1e-3) == pytest.approx(4.5)
