@@ -22,6 +22,7 @@ from hvcomm import netem, report, simulate
 METHODS = ("wfbp", "single", "threshold", "mgwfbp", "p3", "topk", "gtopk", "od-sgd")
 # what each replayed method is in the simulator (P3 has no model there)
 PREDICTED = {m: m for m in METHODS if m != "p3"}
+HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
 
 
 def trace_path(name: str) -> Path:
@@ -104,9 +105,9 @@ def main() -> None:
     # error feedback, the hooks, the update), which the predictions at P > 1 then include
     alone = netem.run_worker(1, argv, timeout=3600, out=tmp / "1.json")["rows"]
     local = {m: t - trace.compute_s for m, t in alone.items()}
-    for method, measured in alone.items():
-        rows.append({"P": 1, "method": method, "measured ms": round(measured * 1e3, 1),
-                     "local ms (beyond the trace)": round(local[method] * 1e3, 1)})
+    calibration = [{"method": m, "P=1 measured ms": round(t * 1e3, 1),
+                    "local ms (beyond the trace)": round(local[m] * 1e3, 1)}
+                   for m, t in alone.items()]
     for p in args.sizes:
         res = netem.run_worker(p, argv, timeout=3600, out=tmp / f"{p}.json", net=net)
         fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"])
@@ -120,7 +121,7 @@ def main() -> None:
                             "predicted / measured": round(pred / measured, 3),
                             "within 15%": abs(pred / measured - 1) <= 0.15})
             rows.append(row)
-        print(report.table([r for r in rows if r["P"] == p]), flush=True)
+        print(report.table([r for r in rows if r["P"] == p], HEADERS), flush=True)
     judged = [r for r in rows if "within 15%" in r]
     summary = (f"\n\nWithin 15% of the measurement: {sum(r['within 15%'] for r in judged)} of "
                f"{len(judged)} predicted rows.\n")
@@ -134,7 +135,10 @@ def main() -> None:
                                                   "calibrated in the same mpirun, each method's "
                                                   "local cost from the P=1 replay, and this "
                                                   "machine's merge/sum costs (COMPUTE['cpu'])"),
-                        report.table(rows) + summary)
+                        "One rank (each method's cost on this machine beyond the trace's "
+                        f"{trace.compute_s * 1e3:.1f} ms):\n\n" + report.table(calibration)
+                        + "\n\nMeasured and predicted:\n\n" + report.table(rows, HEADERS)
+                        + summary)
     print(f"written to {path.relative_to(report.ROOT)}")
 
 
