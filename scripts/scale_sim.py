@@ -58,8 +58,11 @@ def main() -> None:
         name = f"scale_{model}"
         plot(rows, model, report.RESULTS / f"{name}.png")
         body = (report.table(rows) + f"\n\nPlot: `results/{name}.png`.\n\nThe papers: {PAPERS}\n\n"
-                "Not yet validated against replay measurements (hvcomm.replay does not exist yet):"
-                " these are the model's predictions only.\n")
+                "The simulator's error against replay, so far only ResNet-50 at P=2 and 4 "
+                "(results/replay_resnet50_v100_*.md): 10 of 14 rows within 15% at 1 Gbit, 3 of 14 "
+                "at 10 Gbit, where the emulated links and four ranks share this machine's two "
+                "cores. Not yet checked at P=8 or on VGG-16: the rows above are the model's "
+                "predictions only.\n")
         path = report.write(name, f"Predicted scaling efficiency, {model}", report.setting(
             trace=f"hvcomm/traces/{model}-{args.gpu}.json: {trace.source}",
             networks="; ".join(f"{n}: alpha {simulate.NETWORKS[n].alpha_s * 1e6:.0f} us, "
