@@ -15,20 +15,12 @@ from collectives.errors import HvcommError
 from . import report, simulate
 
 
-def available_traces():
-    return sorted(p.stem for p in simulate.TRACES.glob("*.json"))
-
-
 def load(args) -> simulate.LayerTrace:
     if args.trace:
         return simulate.LayerTrace.load(args.trace)
     if not (args.model and args.gpu):
         raise HvcommError("give --trace FILE, or --model and --gpu")
-    path = simulate.TRACES / f"{args.model}-{args.gpu}.json"
-    if not path.exists():
-        raise HvcommError(f"no trace for {args.model} on {args.gpu}; available: "
-                          f"{', '.join(available_traces())} (scripts/make_traces.py adds more)")
-    return simulate.LayerTrace.load(path)
+    return simulate.LayerTrace.named(f"{args.model}-{args.gpu}")
 
 
 def main(argv=None) -> int:

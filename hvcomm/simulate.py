@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 from collectives.cost import (AlphaBeta, gtopk_allreduce_s, ring_allreduce_s,
                               topk_allgather_s)
 from collectives.errors import HvcommError
+from collectives.sparse import ceil_log2
 
 from . import planner
 
@@ -81,6 +82,15 @@ class LayerTrace:
         return planner.Trace(tuple(ready), tuple(nbytes), self.update_s, backward_end_s=t)
 
     @classmethod
+    def named(cls, name: str) -> "LayerTrace":
+        """A trace by file path (``*.json``) or by name in hvcomm/traces (``resnet50-v100``)."""
+        path = Path(name) if name.endswith(".json") else TRACES / f"{name}.json"
+        if not path.exists():
+            raise HvcommError(f"no trace {name!r}; available in hvcomm/traces: "
+                              f"{', '.join(available_traces())} (scripts/make_traces.py adds more)")
+        return cls.load(path)
+
+    @classmethod
     def load(cls, path) -> "LayerTrace":
         data = json.loads(Path(path).read_text())
         layers = tuple(Layer(l["name"], int(l["params"]), float(l["forward_s"]),
@@ -90,6 +100,10 @@ class LayerTrace:
         return cls(data["model"], layers, int(data["batch"]), float(data.get("update_s", 0.0)),
                    int(data.get("bytes_per_param", 4)), data.get("source", ""),
                    data.get("device", "cpu"))
+
+
+def available_traces() -> List[str]:
+    return sorted(p.stem for p in TRACES.glob("*.json"))
 
 
 @dataclass(frozen=True)
@@ -190,13 +204,12 @@ def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
         return Prediction(method, p, max(busy, comm) + trace.update_s, base, trace.batch)
     k = max(int(density * d), 1)
     pair = 4 + trace.bytes_per_param
-    select = extra
     if method == "gtopk":
-        rounds = max(p - 1, 0).bit_length()
-        comm = gtopk_allreduce_s(p, k, pair, ab) + rounds * 2 * k * compute.merge_s_per_pair
+        comm = gtopk_allreduce_s(p, k, pair, ab) + \
+            ceil_log2(p) * 2 * k * compute.merge_s_per_pair
     else:
         comm = topk_allgather_s(p, k, pair, ab) + p * k * compute.sum_s_per_pair
-    return Prediction(method, p, base + select + comm, base, trace.batch)
+    return Prediction(method, p, base + extra + comm, base, trace.batch)
 
 
 def compare(trace: LayerTrace, workers: int, net: Network, density: float = 0.001,

@@ -12,9 +12,9 @@ communicator in the same run, and the P=1 local costs. Worker (--worker): runs u
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from hvcomm import netem, report, simulate
@@ -23,11 +23,6 @@ METHODS = ("wfbp", "single", "threshold", "mgwfbp", "p3", "topk", "gtopk", "od-s
 # what each replayed method is in the simulator (P3 has no model there)
 PREDICTED = {m: m for m in METHODS if m != "p3"}
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
-
-
-def trace_path(name: str) -> Path:
-    path = Path(name)
-    return path if path.suffix == ".json" else simulate.TRACES / f"{name}.json"
 
 
 def optimizer_options(method: str, density: float, hvd) -> dict:
@@ -40,8 +35,13 @@ def optimizer_options(method: str, density: float, hvd) -> dict:
     return {"delay": hvd.Delay(mode="od", warmup_steps=2)}
 
 
+def train_step(opt, model) -> None:
+    opt.zero_grad()
+    model().backward()
+    opt.step()
+
+
 def worker(args) -> None:
-    import numpy as np
     import torch
     from mpi4py import MPI
 
@@ -52,7 +52,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     hvd.init()
     comm = MPI.COMM_WORLD
-    trace = simulate.LayerTrace.load(trace_path(args.trace))
+    trace = simulate.LayerTrace.named(args.trace)
     cal = C.calibrate(comm)
     rows = {}
     for method in args.methods:
@@ -60,21 +60,13 @@ def worker(args) -> None:
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
                                        named_parameters=model.named_parameters(),
                                        **optimizer_options(method, args.density, hvd))
-        times = []
-        for step in range(args.warmup + args.steps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            model().backward()
-            opt.step()
-            times.append(time.perf_counter() - t0)
+        step = functools.partial(train_step, opt, model)
+        for _ in range(args.warmup - 1):  # time_collective runs one more untimed
+            step()
+        rows[method] = C.time_collective(comm, step, args.steps)
         if hasattr(opt, "finish_pending"):
             opt.finish_pending()
-        mine = np.array(times[args.warmup:])
-        slowest = np.empty_like(mine)
-        comm.Allreduce(mine, slowest, op=MPI.MAX)
-        rows[method] = float(np.median(slowest))
-        del opt, model
+        del opt, model, step  # free this method's model before the next one's
     if comm.rank == 0:
         Path(args.out).write_text(json.dumps({
             "ranks": comm.size, "rows": rows, "alpha_s": cal.alpha_beta.alpha_s,
@@ -89,14 +81,15 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--warmup", type=int, default=12,
-                    help="untimed steps first (the schedules profile and race plans in them)")
+                    help="untimed steps first, at least 1 (the schedules profile and race "
+                         "plans in them)")
     ap.add_argument("--steps", type=int, default=8)
     netem.add_net_option(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    trace = simulate.LayerTrace.load(trace_path(args.trace))
+    trace = simulate.LayerTrace.named(args.trace)
     net, label = netem.resolve_net(args.net)
     tmp, rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), []
     argv = [__file__, "--worker", "--trace", args.trace, "--density", str(args.density),
@@ -125,7 +118,7 @@ def main() -> None:
     judged = [r for r in rows if "within 15%" in r]
     summary = (f"\n\nWithin 15% of the measurement: {sum(r['within 15%'] for r in judged)} of "
                f"{len(judged)} predicted rows.\n")
-    name = f"replay_{trace.model}_{trace_path(args.trace).stem.split('-', 1)[-1]}_{net}"
+    name = f"replay_{trace.model}_{Path(args.trace).stem.split('-', 1)[-1]}_{net}"
     path = report.write(name, f"Replay of {args.trace}: measured beside predicted",
                         report.setting(network=label, trace=f"{args.trace}: {trace.source}",
                                        steps=f"{args.warmup} untimed, then the median of "

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.001)
     args = ap.parse_args()
     for model in ("resnet50", "vgg16"):
-        trace = simulate.LayerTrace.load(simulate.TRACES / f"{model}-{args.gpu}.json")
+        trace = simulate.LayerTrace.named(f"{model}-{args.gpu}")
         rows = []
         for net in NETS:
             for p in WORKERS:
