@@ -45,10 +45,12 @@ class NetemUnavailable(HvcommError):
     """This machine cannot emulate a network (no root, no ip/tc, no namespaces)."""
 
 
-def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def run_command(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """Run ``cmd`` capturing its output (``kw`` goes to subprocess.run); with ``check``, a
+    non-zero exit raises HvcommError with what the command said."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if check and proc.returncode != 0:
-        raise HvcommError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
+        raise HvcommError(f"{' '.join(cmd)} failed: {(proc.stderr or proc.stdout).strip()}")
     return proc
 
 
@@ -75,36 +77,36 @@ def unsupported_reason() -> Optional[str]:
         if shutil.which(tool) is None:
             return f"network emulation needs '{tool}' (Debian package iproute2)"
     probe = PREFIX + "probe"
-    made = _sh("ip", "netns", "add", probe, check=False)
+    made = run_command("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"cannot create network namespaces here: {made.stderr.strip()}"
-    _sh("ip", "netns", "del", probe, check=False)
+    run_command("ip", "netns", "del", probe, check=False)
     return None
 
 
 def netem_available() -> bool:
     probe = PREFIX + "qprobe"
-    if _sh("ip", "netns", "add", probe, check=False).returncode != 0:
+    if run_command("ip", "netns", "add", probe, check=False).returncode != 0:
         return False
     try:
-        return _sh("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
+        return run_command("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
                    "netem", "delay", "1us", check=False).returncode == 0
     finally:
-        _sh("ip", "netns", "del", probe, check=False)
+        run_command("ip", "netns", "del", probe, check=False)
 
 
 def cleanup_stale(prefix: str = PREFIX) -> None:
     """Remove namespaces (and the processes in them) left by an earlier, killed run."""
-    listing = _sh("ip", "netns", "list", check=False).stdout.split("\n")
+    listing = run_command("ip", "netns", "list", check=False).stdout.split("\n")
     for line in listing:
         name = line.split(" ")[0]
         if name.startswith(prefix):
             _kill_namespace_processes(name)
-            _sh("ip", "netns", "del", name, check=False)
+            run_command("ip", "netns", "del", name, check=False)
 
 
 def _namespace_pids(ns: str) -> List[int]:
-    return [int(pid) for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+    return [int(pid) for pid in run_command("ip", "netns", "pids", ns, check=False).stdout.split()]
 
 
 def _kill_namespace_processes(ns: str) -> None:
@@ -189,18 +191,18 @@ class EmulatedCluster:
             raise
 
     def _build(self) -> None:
-        _sh("ip", "netns", "add", self.switch)
-        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        run_command("ip", "netns", "add", self.switch)
+        run_command("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        run_command("ip", "-n", self.switch, "link", "set", "br0", "up")
         for i in range(self.hosts):
             ns, port = self.namespace(i), f"p{i}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", port,
+            run_command("ip", "netns", "add", ns)
+            run_command("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", port,
                 "netns", self.switch)
-            _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            run_command("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+            run_command("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            run_command("ip", "-n", ns, "link", "set", "eth0", "up")
+            run_command("ip", "-n", ns, "link", "set", "lo", "up")
             self._shape(ns, "eth0")       # host -> switch
             self._shape(self.switch, port)  # switch -> host
         self._agent_dir = Path(tempfile.mkdtemp(prefix="hvcomm-agent-"))
@@ -212,16 +214,16 @@ class EmulatedCluster:
         burst = max(int(self.rate_bit_s / 8 / 1000), 32 * 1024)  # about 1 ms at line rate
         cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
         if self.latency_s:
-            _sh(*cmd, "handle", "1:", "netem", "delay", self.latency)
+            run_command(*cmd, "handle", "1:", "netem", "delay", self.latency)
             cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:"]
-        _sh(*cmd, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
+        run_command(*cmd, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
 
     def stop(self) -> None:
         """Kill every process on the hosts and remove them (the switch too)."""
         for i in range(self.hosts):
             _kill_namespace_processes(self.namespace(i))
         for name in [self.namespace(i) for i in range(self.hosts)] + [self.switch]:
-            _sh("ip", "netns", "del", name, check=False)
+            run_command("ip", "netns", "del", name, check=False)
         if self._agent_dir:
             shutil.rmtree(self._agent_dir, ignore_errors=True)
 

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -82,13 +81,6 @@ IgnoreSystemd=yes
 """
 
 
-def _sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if check and proc.returncode != 0:
-        raise HvcommError(f"{' '.join(cmd)} failed: {(proc.stderr or proc.stdout).strip()}")
-    return proc
-
-
 def missing() -> Optional[str]:
     """What this machine lacks to run the local Slurm, or None."""
     reason = netem.unsupported_reason()
@@ -116,7 +108,8 @@ def _pid_alive(pidfile: Path) -> Optional[int]:
 
 def _cgroup_plugin() -> str:
     """cgroup/v2 where /sys/fs/cgroup is the unified hierarchy itself, else cgroup/v1."""
-    fstype = _sh("stat", "-f", "-c", "%T", "/sys/fs/cgroup", check=False).stdout.strip()
+    fstype = netem.run_command("stat", "-f", "-c", "%T", "/sys/fs/cgroup",
+                               check=False).stdout.strip()
     return "cgroup/v2" if fstype == "cgroup2fs" else "cgroup/v1"
 
 
@@ -135,14 +128,14 @@ def _stop(pid: int, grace_s: float = 10.0) -> None:
 
 def _start_munge() -> None:
     """munged, as the munge user, unless one answers already."""
-    if _sh("munge", "-n", check=False).returncode == 0:
+    if netem.run_command("munge", "-n", check=False).returncode == 0:
         return
     Path("/run/munge").mkdir(exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
-    _sh("runuser", "-u", "munge", "--", "munged")
+    netem.run_command("runuser", "-u", "munge", "--", "munged")
     STATE.joinpath("started-munged").touch()
     for _ in range(50):
-        if _sh("munge", "-n", check=False).returncode == 0:
+        if netem.run_command("munge", "-n", check=False).returncode == 0:
             return
         time.sleep(0.1)
     raise HvcommError("munged did not start (see /var/log/munge/munged.log)")
@@ -152,7 +145,7 @@ def _wait_nodes_idle(nodes: int, timeout: float = 90.0) -> None:
     deadline = time.time() + timeout
     last = ""
     while time.time() < deadline:
-        proc = _sh("sinfo", "-h", "-N", "-o", "%N %t", check=False, env=slurm_env())
+        proc = netem.run_command("sinfo", "-h", "-N", "-o", "%N %t", check=False, env=slurm_env())
         last = proc.stdout.strip()
         states = [line.split()[1] for line in last.splitlines() if len(line.split()) == 2]
         if len(states) == nodes and all(s == "idle" for s in states):
@@ -183,11 +176,11 @@ def up(nodes: int = 2, rate: str = "1gbit") -> None:
         _start_munge()
         cluster.start()
         # this namespace's way into the bridge: the controller's address, no shaping
-        _sh("ip", "link", "add", CTL_LINK, "type", "veth", "peer", "pctl", "netns",
-            cluster.switch)
-        _sh("ip", "-n", cluster.switch, "link", "set", "pctl", "master", "br0", "up")
-        _sh("ip", "addr", "add", f"{CONTROLLER}/24", "dev", CTL_LINK)
-        _sh("ip", "link", "set", CTL_LINK, "up")
+        netem.run_command("ip", "link", "add", CTL_LINK, "type", "veth", "peer", "pctl",
+                          "netns", cluster.switch)
+        netem.run_command("ip", "-n", cluster.switch, "link", "set", "pctl", "master", "br0", "up")
+        netem.run_command("ip", "addr", "add", f"{CONTROLLER}/24", "dev", CTL_LINK)
+        netem.run_command("ip", "link", "set", CTL_LINK, "up")
         conf = STATE / "slurm.conf"
         conf.write_text(CONF.format(nodes=nodes, rate=rate, controller=CONTROLLER, state=STATE,
                                     host=socket.gethostname().split(".")[0],
@@ -199,7 +192,7 @@ def up(nodes: int = 2, rate: str = "1gbit") -> None:
             SYSTEM_CONF.parent.mkdir(parents=True, exist_ok=True)
             SYSTEM_CONF.unlink(missing_ok=True)
             SYSTEM_CONF.symlink_to(conf)
-        _sh("slurmctld", "-f", str(conf))
+        netem.run_command("slurmctld", "-f", str(conf))
         for i in range(nodes):
             name = f"node{i + 1}"
             tmp = STATE / name / "tmp"
@@ -209,7 +202,8 @@ def up(nodes: int = 2, rate: str = "1gbit") -> None:
             # own TmpFS (Slurm's PMIx plugin keeps per-step files there under names that
             # are the same on every node); the rest of the file system is shared, as a
             # cluster's shared file system is
-            _sh("ip", "netns", "exec", cluster.namespace(i), "unshare", "--uts", "--mount",
+            netem.run_command(
+                "ip", "netns", "exec", cluster.namespace(i), "unshare", "--uts", "--mount",
                 "sh", "-c", f'mount --bind "{tmp}" "{STATE}/node-tmp" && hostname {name} && '
                 f'exec slurmd -f "{conf}"')
         _wait_nodes_idle(nodes)
@@ -228,11 +222,11 @@ def down(quiet: bool = False) -> None:
     if pid:
         _stop(pid)
     netem.cleanup_stale(PREFIX)   # slurmd, job steps, the hosts and the switch
-    _sh("ip", "link", "del", CTL_LINK, check=False)
+    netem.run_command("ip", "link", "del", CTL_LINK, check=False)
     if SYSTEM_CONF.is_symlink() and str(os.readlink(SYSTEM_CONF)).startswith(str(STATE)):
         SYSTEM_CONF.unlink()
     if STATE.joinpath("started-munged").exists():
-        _sh("pkill", "-x", "munged", check=False)
+        netem.run_command("pkill", "-x", "munged", check=False)
     shutil.rmtree(STATE, ignore_errors=True)
     if not quiet:
         print("local Slurm down")
@@ -244,7 +238,7 @@ def status() -> int:
         return 1
     info = json.loads((STATE / "cluster.json").read_text())
     print(f"local Slurm: {info['nodes']} nodes at {info['rate']} per link; state in {STATE}")
-    print(_sh("sinfo", "-N", check=False, env=slurm_env()).stdout)
+    print(netem.run_command("sinfo", "-N", check=False, env=slurm_env()).stdout)
     return 0
 
 

@@ -43,13 +43,10 @@ def sbatch(nodes: int, launcher: str, train_args, out_dir: Path) -> dict:
 
 
 def plain_mpirun(nodes: int, rate: str, train_args, out_dir: Path) -> dict:
-    result = out_dir / f"mpirun-{nodes}.json"
     t0 = time.perf_counter()
-    with netem.EmulatedCluster(hosts=nodes, rate=rate) as cluster:
-        proc = cluster.mpirun([str(TRAIN), *train_args, "--out", str(result)], timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"mpirun on {nodes} emulated hosts failed:\n{proc.stderr[-3000:]}")
-    return {**json.loads(result.read_text()), "wall": time.perf_counter() - t0, "log": ""}
+    res = netem.run_worker(nodes, [str(TRAIN), *train_args], timeout=1800,
+                           out=out_dir / f"mpirun-{nodes}.json", net=rate)
+    return {**res, "wall": time.perf_counter() - t0, "log": ""}
 
 
 def main() -> None:
