@@ -23,7 +23,7 @@ def merge_sum(idx_a, val_a, idx_b, val_b, out_idx, out_val, origin):
     """Merge two sorted runs into out_*, adding values at common indices (a's + b's), and
     record each output's origin: 1 from a, 2 from b, 3 from both. Returns the number of
     unique indices written. With the origins, a mask over the output maps back to a mask
-    over either input by plain boolean indexing (``mask[origin & 1 != 0]`` is a's)."""
+    over either input (:func:`split_by_origin`)."""
     i = j = n = 0
     na, nb = idx_a.size, idx_b.size
     while i < na and j < nb:

@@ -51,14 +51,13 @@ def _largest(val: np.ndarray, k: int, ws: Optional[Workspace] = None) -> np.ndar
     go to the lower position. Linear time: introselect for the threshold, then a mask
     (vectorised, and faster than a compiled loop here) turned into positions. ``ws``
     lends scratch buffers."""
-    n = val.size
-    get = ws.get if ws else (lambda name, size, dtype: np.empty(size, dtype))
-    mag = np.abs(val, out=get("mag", n, val.dtype))
-    part = get("part", n, val.dtype)
+    n, ws = val.size, ws or Workspace()
+    mag = np.abs(val, out=ws.get("mag", n, val.dtype))
+    part = ws.get("part", n, val.dtype)
     np.copyto(part, mag)
     part.partition(n - k)  # in place: part[n - k] is the k-th largest
     cut = part[n - k]
-    keep = np.greater(mag, cut, out=get("keep", n, np.bool_))
+    keep = np.greater(mag, cut, out=ws.get("keep", n, np.bool_))
     short = k - np.count_nonzero(keep)
     if short:
         keep[np.flatnonzero(mag == cut)[:short]] = True

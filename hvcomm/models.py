@@ -1,6 +1,7 @@
 """The models whose traces the simulator and the replay use, built here from torch layers (no
-downloads): ResNet-20 (CIFAR-10, :func:`cifar_resnet`), ResNet-50 and VGG-16 (ImageNet), BERT-base (sequence 128),
-and :func:`layer_profile`, each parameterised module's parameters and forward FLOPs per sample.
+downloads): ResNet-20 (CIFAR-10, :func:`cifar_resnet`), ResNet-50 and VGG-16 (ImageNet),
+BERT-base (sequence 128), and :func:`layer_profile`, each parameterised module's parameters
+and forward FLOPs per sample.
 """
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ import torch
 from torch import nn
 
 
+def _projection(cin, cout, stride):
+    """A residual block's shortcut: a 1x1 convolution where the shape changes, else identity."""
+    if stride == 1 and cin == cout:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+
 class _Basic(nn.Module):
     def __init__(self, cin, cout, stride):
         super().__init__()
@@ -17,14 +25,11 @@ class _Basic(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.short = None
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                       nn.BatchNorm2d(cout))
+        self.short = _projection(cin, cout, stride)
 
     def forward(self, x):
         y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
-        return torch.relu(y + (x if self.short is None else self.short(x)))
+        return torch.relu(y + self.short(x))
 
 
 class _Bottleneck(nn.Module):
@@ -37,16 +42,13 @@ class _Bottleneck(nn.Module):
         self.bn2 = nn.BatchNorm2d(width)
         self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(cout)
-        self.short = None
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                       nn.BatchNorm2d(cout))
+        self.short = _projection(cin, cout, stride)
 
     def forward(self, x):
         y = torch.relu(self.bn1(self.conv1(x)))
         y = torch.relu(self.bn2(self.conv2(y)))
         y = self.bn3(self.conv3(y))
-        return torch.relu(y + (x if self.short is None else self.short(x)))
+        return torch.relu(y + self.short(x))
 
 
 def cifar_resnet(depth: int = 20) -> nn.Module:

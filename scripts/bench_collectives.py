@@ -1,7 +1,8 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
 alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
 each rank sends; and the dense sum in float16 (``icast_allreduce`` with torch's casts, as
-hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's. The sparse collectives run with their default settings (input check on).
+hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's. The sparse
+collectives run with their default settings (input check on).
 
 Driver (default): one mpirun per P; prints and writes results/collectives_<net>.md.
 Worker (--worker, under mpirun): times every (d, density) on its communicator.
