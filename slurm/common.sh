@@ -1,6 +1,7 @@
 # Sourced by the batch scripts of this folder: the environment check and the job's header.
 # Needs: LAUNCH_CHECK (arguments of `python -m hvcomm.launch check`), NETWORK (words).
-# Sets: PY (the environment's python), TRAIN (the training script and its arguments).
+# Sets: PY (the environment's python), TRAIN (the training script and its arguments); exports
+# the thread count and unbuffered output; prints the job's header, and its end on exit.
 
 cd "${SLURM_SUBMIT_DIR:-.}"
 PY="${HVCOMM_VENV:-.venv}/bin/python"
@@ -34,3 +35,6 @@ echo "nodes: ${SLURM_JOB_NODELIST}"
 echo "network: ${NETWORK}"
 echo "method: ${method:-the script default} (${TRAIN[*]})"
 echo "started: $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
+# the job's last line, however it ends: the time and the exit status
+trap 'rc=$?; echo "finished: $(date -u "+%Y-%m-%d %H:%M:%S UTC"), exit $rc"' EXIT
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} PYTHONUNBUFFERED=1
