@@ -59,7 +59,12 @@ class _ReplayLayer(nn.Module):
         self.clock, self.first_in_backward = clock, False
         shapes = layer.shapes or ((layer.params,),)
         gen = torch.Generator().manual_seed(1000 * rank + index)
-        self.weights = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in shapes])
+        # the layer owns its parameters itself, so that its forward pre-hooks see them (P3
+        # with model= applies each layer's update just before the layer's next forward)
+        self.weights = []
+        for j, s in enumerate(shapes):
+            self.register_parameter(f"w{j}", nn.Parameter(torch.zeros(s)))
+            self.weights.append(getattr(self, f"w{j}"))
         self.gradients: List[torch.Tensor] = [torch.randn(s, generator=gen) * 1e-3
                                               for s in shapes]
         self.forward_s, self.backward_s = layer.forward_s, layer.backward_s

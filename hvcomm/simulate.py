@@ -10,8 +10,15 @@ them :func:`iteration` predicts one method's iteration time at P workers:
 - ``topk`` (Top-k AllGather) and ``gtopk`` (gTopKAllReduce), one message of k pairs after
   backward, plus the local compute: top-k selection over the d gradients, and merging
   (gTop-k: ceil(log2 P) merges of 2k pairs; AllGather: the sum of P*k pairs);
-- ``od-sgd``: dense allreduce of the whole model overlapped with the next iteration's forward
-  and backward (one message per iteration, its cost hidden up to the computation's length).
+- ``p3``: every parameter cut into slices of ``slice_elems`` elements, one allreduce each (with
+  the ranks' readiness vector appended), always the ready slice closest to the input first; the
+  next iteration's forward of a layer waits only for that layer's slices and its share of the
+  update (an event simulation of a few iterations, the last one's period);
+- ``od-sgd`` and ``ssd-sgd``: dense allreduce of the whole model overlapped with the next
+  iteration's forward and backward (one message per iteration, its cost hidden up to the
+  computation's length; SSD-SGD's resets every k steps are local and cost no communication);
+- ``cd-sgd``: OD-SGD's skeleton sending 1-byte codes (2-bit quantisation summed as int8), and
+  the full-precision gradient every ``delay_k``-th step: the mean over the k steps.
 
 Compute costs per element (:class:`ComputeCost`) come from the trace's device: this
 machine's measured figures for a CPU trace, a stated assumption for a GPU trace (:data:`COMPUTE`);
@@ -21,7 +28,9 @@ time at P, i.e. throughput(P) / (P * throughput(1)).
 """
 from __future__ import annotations
 
+import heapq
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -34,7 +43,8 @@ from collectives.sparse import ceil_log2
 from . import planner
 
 DENSE = ("wfbp", "single", "threshold", "mgwfbp")
-METHODS = (*DENSE, "topk", "gtopk", "od-sgd")
+DELAYED = ("od-sgd", "ssd-sgd", "cd-sgd")
+METHODS = (*DENSE, "p3", "topk", "gtopk", *DELAYED)
 TRACES = Path(__file__).resolve().parent / "traces"
 
 
@@ -173,9 +183,11 @@ class Prediction:
 
 def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
               density: float = 0.001, compute: Optional[ComputeCost] = None,
-              threshold_bytes: int = 25 << 20, local_s: Optional[float] = None) -> Prediction:
+              threshold_bytes: int = 25 << 20, local_s: Optional[float] = None,
+              slice_elems: int = 50_000, delay_k: int = 5) -> Prediction:
     """Predicted iteration time of ``method`` at ``workers`` (see the module's docstring).
-    ``compute`` defaults to the costs of the trace's device (:data:`COMPUTE`). ``local_s``:
+    ``compute`` defaults to the costs of the trace's device (:data:`COMPUTE`). ``slice_elems``:
+    P3's slice; ``delay_k``: CD-SGD's full-precision period (hvcomm's defaults). ``local_s``:
     a measured per-iteration cost beyond the trace on one worker (the method's selection and
     error feedback, the framework's hooks and update), e.g. a replay at P=1 minus the trace;
     it then stands in for the modelled selection cost, and is on the critical path."""
@@ -185,6 +197,8 @@ def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
         raise HvcommError(f"workers must be >= 1, got {workers}")
     if not 0 < density <= 1:
         raise HvcommError(f"density must be in (0, 1], got {density}")
+    if slice_elems < 1 or delay_k < 1:
+        raise HvcommError(f"slice_elems and delay_k must be >= 1, got {slice_elems}, {delay_k}")
     p, ab, base = workers, net.alpha_beta, trace.compute_s
     compute = compute or COMPUTE[trace.device]
     d = trace.params
@@ -197,11 +211,18 @@ def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
         cost = planner.Cost(2 * (p - 1) * ab.alpha_s, 2 * (p - 1) / p * ab.beta_s_per_byte)
         t = planner.predict(method, trace.planner_trace(), cost, threshold_bytes).iteration_s
         return Prediction(method, p, t + extra, base, trace.batch)
+    if method == "p3":
+        return Prediction(method, p, _p3_period(trace, p, ab, slice_elems) + extra, base,
+                          trace.batch)
     nbytes = d * trace.bytes_per_param
-    if method == "od-sgd":
-        comm = ring_allreduce_s(p, nbytes, ab)
+    if method in DELAYED:
         busy = base - trace.update_s + extra
-        return Prediction(method, p, max(busy, comm) + trace.update_s, base, trace.batch)
+        dense = max(busy, ring_allreduce_s(p, nbytes, ab))
+        if method == "cd-sgd":  # k-1 steps of int8 codes, then one at full precision
+            coded = max(busy, ring_allreduce_s(p, d, ab))
+            return Prediction(method, p, ((delay_k - 1) * coded + dense) / delay_k +
+                              trace.update_s, base, trace.batch)
+        return Prediction(method, p, dense + trace.update_s, base, trace.batch)
     k = max(int(density * d), 1)
     pair = 4 + trace.bytes_per_param
     if method == "gtopk":
@@ -210,6 +231,53 @@ def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
     else:
         comm = topk_allgather_s(p, k, pair, ab) + p * k * compute.sum_s_per_pair
     return Prediction(method, p, base + extra + comm, base, trace.batch)
+
+
+def _p3_period(trace: LayerTrace, p: int, ab: AlphaBeta, slice_elems: int,
+               iterations: int = 5) -> float:
+    """P3's steady-state iteration time (see the module's docstring): an event simulation of
+    ``iterations`` iterations, the period between the last two starts. One wire, one slice at
+    a time; when nothing known to be ready is left, the ranks exchange their readiness (one
+    small allreduce) once a gradient is ready, as hvcomm's P3 does."""
+    tensors = [(li, n) for li, layer in enumerate(trace.layers)
+               for n in ([math.prod(s) for s in layer.shapes] or ([layer.params]
+                                                                  if layer.params else []))]
+    vector = len(tensors) * trace.bytes_per_param        # readiness, appended to each slice
+    negotiation = ring_allreduce_s(p, 8 * len(tensors), ab)
+    done = [0.0] * len(trace.layers)  # when each layer's slices of the last iteration were summed
+    t = wire = 0.0
+    starts = []
+    for _ in range(iterations):
+        starts.append(t)
+        for li, layer in enumerate(trace.layers):  # forward: each layer waits for its update
+            if layer.params:
+                t = max(t, done[li]) + trace.update_s * layer.params / trace.params
+            t += layer.forward_s
+        ready = [0.0] * len(trace.layers)
+        for li in reversed(range(len(trace.layers))):
+            t += trace.layers[li].backward_s
+            ready[li] = t
+        # slices in priority order (tensor order = forward order), each with its ready time
+        slices = [(ti, ready[li], li, min(slice_elems, n - lo))
+                  for ti, (li, n) in enumerate(tensors) for lo in range(0, n, slice_elems)]
+        left = [0] * len(trace.layers)
+        for _, _, li, _ in slices:
+            left[li] += 1
+        pending = sorted(slices, key=lambda s: s[1])
+        heap: list = []
+        at = 0
+        while at < len(pending) or heap:
+            if not heap:  # the wire idles until the next gradient, then a negotiation
+                wire = max(wire, pending[at][1]) + negotiation
+            while at < len(pending) and pending[at][1] <= wire:
+                heapq.heappush(heap, pending[at])
+                at += 1
+            _, _, li, elems = heapq.heappop(heap)
+            wire += ring_allreduce_s(p, elems * trace.bytes_per_param + vector, ab)
+            left[li] -= 1
+            if not left[li]:
+                done[li] = wire
+    return starts[-1] - starts[-2]
 
 
 def compare(trace: LayerTrace, workers: int, net: Network, density: float = 0.001,

@@ -4,10 +4,14 @@ each method's measured iteration time beside hvcomm.simulate's prediction.
     python scripts/replay.py --trace resnet50-v100 --sizes 2 4 8 --net 1gbit
     python scripts/replay.py --trace resnet20-v100 --sizes 2 --methods wfbp gtopk --steps 5
 
-Driver (default): one rank first (each method's local cost beyond the trace on this machine),
-then one mpirun per P (one emulated host per rank with --net), every method in turn; writes
-results/replay_<trace>_<net>.md. The prediction uses alpha and beta calibrated on the same
-communicator in the same run, and the P=1 local costs. Worker (--worker): runs under mpirun.
+Driver (default), for each P: first P ranks each alone (one-rank communicators, started together
+on this machine's cores as the real run is), which measure each method's local cost beyond the
+trace under the same sharing of the cores; then one mpirun of P ranks (one emulated host per
+rank with --net), every method in turn. Writes results/replay_<model>_<gpu>_<net>.md (and .json,
+which scripts/scale_sim.py reads for the simulator's error). The prediction uses alpha and beta
+calibrated on the same communicator in the same run, and those local costs. Each measurement
+is the slowest rank's mean over consecutive steps (a multiple of CD-SGD's period of 5).
+Worker (--worker): runs under mpirun.
 """
 from __future__ import annotations
 
@@ -15,30 +19,53 @@ import argparse
 import functools
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from hvcomm import netem, report, simulate
 
-METHODS = ("wfbp", "single", "threshold", "mgwfbp", "p3", "topk", "gtopk", "od-sgd")
-# what each replayed method is in the simulator (P3 has no model there)
-PREDICTED = {m: m for m in METHODS if m != "p3"}
+METHODS = simulate.METHODS
+# allreduce sizes: alpha from small messages, beta from messages as large as the methods send
+# (a single fit over both puts the intercept at the noise of the large ones)
+SMALL_BYTES = (4 << 10, 16 << 10, 64 << 10, 256 << 10)
+LARGE_BYTES = (1 << 20, 8 << 20, 32 << 20)
+PREDICTION = ("hvcomm.simulate with alpha and beta calibrated in the same mpirun (alpha from "
+              "allreduce of 4-256 KiB, beta from 1-32 MiB), each method's local cost from the P "
+              "ranks alone, and this machine's merge/sum costs (COMPUTE['cpu'])")
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
 
 
-def optimizer_options(method: str, density: float, hvd) -> dict:
-    if method in ("wfbp", "single", "threshold", "mgwfbp", "p3"):
+def optimizer_options(method: str, density: float, hvd, model) -> dict:
+    if method == "p3":  # with the model, each layer's next forward waits for its slices only
+        return {"schedule": "p3", "model": model}
+    if method in simulate.DENSE:
         return {"schedule": method}
     if method == "topk":
         return {"compression": hvd.Compression.topk(density, scope="model")}
     if method == "gtopk":
         return {"compression": hvd.Compression.gtopk(density, scope="model")}
-    return {"delay": hvd.Delay(mode="od", warmup_steps=2)}
+    if method == "cd-sgd":
+        return {"delay": hvd.Delay(mode="cd", warmup_steps=2),
+                "compression": hvd.Compression.twobit(0.5)}
+    return {"delay": hvd.Delay(mode=method.split("-")[0], warmup_steps=2)}
 
 
 def train_step(opt, model) -> None:
     opt.zero_grad()
     model().backward()
     opt.step()
+
+
+def mean_step_s(comm, step, steps: int) -> float:
+    """The slowest rank's mean time of ``steps`` consecutive steps (no barrier between them,
+    so what a method overlaps across steps stays overlapped)."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / steps
 
 
 def worker(args) -> None:
@@ -50,32 +77,36 @@ def worker(args) -> None:
     from hvcomm.replay import ReplayModel
 
     torch.set_num_threads(1)
-    hvd.init()
     comm = MPI.COMM_WORLD
+    hvd.init(MPI.COMM_SELF if args.alone else comm)
     trace = simulate.LayerTrace.named(args.trace)
-    cal = C.calibrate(comm)
+    calibrated = MPI.COMM_SELF if args.alone else comm
+    small = C.calibrate(calibrated, SMALL_BYTES, repeats=5).alpha_beta
+    large = C.calibrate(calibrated, LARGE_BYTES, repeats=3).alpha_beta
     rows = {}
     for method in args.methods:
         model = ReplayModel(trace, rank=comm.rank)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
                                        named_parameters=model.named_parameters(),
-                                       **optimizer_options(method, args.density, hvd))
+                                       **optimizer_options(method, args.density, hvd, model))
         step = functools.partial(train_step, opt, model)
-        for _ in range(args.warmup - 1):  # time_collective runs one more untimed
+        for _ in range(args.warmup):
             step()
-        rows[method] = C.time_collective(comm, step, args.steps)
+        rows[method] = mean_step_s(comm, step, args.steps)
         if hasattr(opt, "finish_pending"):
             opt.finish_pending()
         del opt, model, step  # free this method's model before the next one's
     if comm.rank == 0:
         Path(args.out).write_text(json.dumps({
-            "ranks": comm.size, "rows": rows, "alpha_s": cal.alpha_beta.alpha_s,
-            "beta_s_per_byte": cal.alpha_beta.beta_s_per_byte}))
+            "ranks": comm.size, "rows": rows, "alpha_s": small.alpha_s,
+            "beta_s_per_byte": large.beta_s_per_byte}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--alone", action="store_true",
+                    help="worker: each rank replays on a one-rank communicator")
     ap.add_argument("--trace", default="resnet50-v100", help="a name in hvcomm/traces or a file")
     ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
@@ -83,7 +114,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=12,
                     help="untimed steps first, at least 1 (the schedules profile and race "
                          "plans in them)")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     netem.add_net_option(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -91,47 +122,48 @@ def main() -> None:
         return worker(args)
     trace = simulate.LayerTrace.named(args.trace)
     net, label = netem.resolve_net(args.net)
-    tmp, rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), []
+    tmp, rows, local_rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), [], []
     argv = [__file__, "--worker", "--trace", args.trace, "--density", str(args.density),
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--methods", *args.methods]
-    # one rank first: each method's cost on this machine beyond the trace (its selection and
-    # error feedback, the hooks, the update), which the predictions at P > 1 then include
-    alone = netem.run_worker(1, argv, timeout=3600, out=tmp / "1.json")["rows"]
-    local = {m: t - trace.compute_s for m, t in alone.items()}
-    calibration = [{"method": m, "P=1 measured ms": round(t * 1e3, 1),
-                    "local ms (beyond the trace)": round(local[m] * 1e3, 1)}
-                   for m, t in alone.items()]
     for p in args.sizes:
+        # P ranks alone first, together on this machine's cores: each method's cost beyond the
+        # trace (selection, error feedback, hooks, copies, update) when P ranks share the cores
+        alone = netem.run_worker(p, argv + ["--alone"], timeout=3600,
+                                 out=tmp / f"{p}-alone.json")["rows"]
+        local = {m: max(t - trace.compute_s, 0.0) for m, t in alone.items()}
+        local_rows += [{"P": p, "method": m, "alone ms": round(t * 1e3, 1),
+                        "local ms (beyond the trace)": round(local[m] * 1e3, 1)}
+                       for m, t in alone.items()]
         res = netem.run_worker(p, argv, timeout=3600, out=tmp / f"{p}.json", net=net)
         fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"])
         for method, measured in res["rows"].items():
-            row = {"P": p, "method": method, "measured ms": round(measured * 1e3, 1)}
-            if method in PREDICTED:
-                pred = simulate.iteration(PREDICTED[method], trace, p, fitted, args.density,
-                                          compute=simulate.COMPUTE["cpu"],
-                                          local_s=local[method]).iteration_s
-                row.update({"predicted ms": round(pred * 1e3, 1),
-                            "predicted / measured": round(pred / measured, 3),
-                            "within 15%": abs(pred / measured - 1) <= 0.15})
-            rows.append(row)
+            pred = simulate.iteration(method, trace, p, fitted, args.density,
+                                      compute=simulate.COMPUTE["cpu"],
+                                      local_s=local[method]).iteration_s
+            rows.append({"P": p, "method": method, "measured ms": round(measured * 1e3, 1),
+                         "predicted ms": round(pred * 1e3, 1),
+                         "predicted / measured": round(pred / measured, 3),
+                         "within 15%": abs(pred / measured - 1) <= 0.15,
+                         "alpha us": round(res["alpha_s"] * 1e6, 1),
+                         "Gbit/s": round(fitted.bandwidth_bit_s / 1e9, 2)})
         print(report.table([r for r in rows if r["P"] == p], HEADERS), flush=True)
-    judged = [r for r in rows if "within 15%" in r]
-    summary = (f"\n\nWithin 15% of the measurement: {sum(r['within 15%'] for r in judged)} of "
-               f"{len(judged)} predicted rows.\n")
+    within = sum(r["within 15%"] for r in rows)
+    summary = f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows.\n"
     name = f"replay_{trace.model}_{Path(args.trace).stem.split('-', 1)[-1]}_{net}"
+    (report.RESULTS / f"{name}.json").write_text(json.dumps(
+        {"trace": args.trace, "network": net, "rows": rows}, indent=1) + "\n")
     path = report.write(name, f"Replay of {args.trace}: measured beside predicted",
                         report.setting(network=label, trace=f"{args.trace}: {trace.source}",
-                                       steps=f"{args.warmup} untimed, then the median of "
-                                             f"{args.steps} (slowest rank)",
+                                       steps=f"{args.warmup} untimed, then the slowest rank's "
+                                             f"mean over {args.steps} consecutive steps",
                                        density=str(args.density),
-                                       prediction="hvcomm.simulate with alpha and beta "
-                                                  "calibrated in the same mpirun, each method's "
-                                                  "local cost from the P=1 replay, and this "
-                                                  "machine's merge/sum costs (COMPUTE['cpu'])"),
-                        "One rank (each method's cost on this machine beyond the trace's "
-                        f"{trace.compute_s * 1e3:.1f} ms):\n\n" + report.table(calibration)
-                        + "\n\nMeasured and predicted:\n\n" + report.table(rows, HEADERS)
-                        + summary)
+                                       prediction=PREDICTION),
+                        "Measured and predicted (alpha and bandwidth: the calibration of that "
+                        "mpirun):\n\n" + report.table(rows, HEADERS + ("alpha us", "Gbit/s"))
+                        + summary
+                        + "\nP ranks alone (one-rank communicators, started together): each "
+                        f"method's cost beyond the trace's {trace.compute_s * 1e3:.1f} ms\n\n"
+                        + report.table(local_rows) + "\n")
     print(f"written to {path.relative_to(report.ROOT)}")
 
 

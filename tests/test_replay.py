@@ -4,6 +4,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from hvcomm import netem, simulate
@@ -29,13 +30,17 @@ def test_replay_model_has_the_traced_shapes_and_takes_at_least_their_time():
     assert not torch.equal(next(model.parameters()).grad, next(other.parameters()).grad)
 
 
-def test_replay_at_two_ranks():
+@pytest.mark.parametrize("alone", [False, True])
+def test_replay_at_two_ranks(alone):
     out = Path(tempfile.mkdtemp(prefix="hvcomm-replay-test-")) / "replay.json"
+    methods = ["wfbp", "p3", "gtopk", "od-sgd", "cd-sgd"]
     res = netem.run_worker(2, [str(ROOT / "scripts" / "replay.py"), "--worker", "--trace",
-                               "resnet20-v100", "--methods", "wfbp", "gtopk", "od-sgd",
-                               "--warmup", "3", "--steps", "3"], timeout=300, out=out)
+                               "resnet20-v100", "--methods", *methods, "--warmup", "3",
+                               "--steps", "5"] + (["--alone"] if alone else []),
+                           timeout=300, out=out)
     assert res["ranks"] == 2
-    assert set(res["rows"]) == {"wfbp", "gtopk", "od-sgd"}
+    assert set(res["rows"]) == set(methods)
     floor = TRACE.compute_s - TRACE.update_s   # the waits alone
     assert all(t >= 0.99 * floor for t in res["rows"].values()), res
-    assert res["alpha_s"] > 0 and res["beta_s_per_byte"] > 0
+    # two ranks alone calibrate nothing (one-rank communicators); together they do
+    assert (res["alpha_s"] > 0 and res["beta_s_per_byte"] > 0) != alone

@@ -70,6 +70,28 @@ def test_od_sgd_hides_communication_up_to_the_computation():
     assert S.iteration("od-sgd", ONE, 2, slow).iteration_s * 1e3 == pytest.approx(32.02 + 0.5)
 
 
+def test_delayed_family_with_slow_network():
+    big = trace((1_000_000, 1e-3, 2e-3))     # 4 MB of gradients, 3 ms of computation
+    # ring at P=4: 60 us + 1.5 * 4e6 B * 8 ns = 48.06 ms, longer than the computation
+    assert ms("od-sgd", big, 4) == pytest.approx(48.06 + 0.5)
+    assert ms("ssd-sgd", big, 4) == pytest.approx(48.06 + 0.5)   # resets are local
+    # CD-SGD, k=5: four steps of 1-byte codes (60 us + 12 ms), then one at full precision
+    assert ms("cd-sgd", big, 4) == pytest.approx((4 * 12.06 + 48.06) / 5 + 0.5)
+    assert ms("cd-sgd", big, 4, delay_k=1) == pytest.approx(48.06 + 0.5)
+
+
+def test_p3_waits_per_layer_in_the_next_forward():
+    # P=2, slices of 1000: l1 (3000) is 3 slices, l0 one; each slice carries a readiness
+    # vector of 2 x 4 B: 20 us + 4008 B * 8 ns = 52.064 us; a readiness exchange of 2 x 8 B:
+    # 20.128 us. Steady state: l1's slices go during l0's backward; l0's is ready at the end
+    # of backward, waits for an exchange and goes; the next forward's l0 waits for it, then
+    # takes its share of the update (1000/4000 of 0.5 ms), and l1's share follows its forward:
+    # the period is 4.5 ms + 20.128 us + 52.064 us.
+    assert ms("p3", TWO, 2, slice_elems=1000) == pytest.approx(4.572192)
+    # one slice per tensor: l1's single slice of 12008 B fits in l0's backward just the same
+    assert ms("p3", TWO, 2, slice_elems=10_000) == pytest.approx(4.572192)
+
+
 def test_bad_input():
     with pytest.raises(HvcommError, match="unknown method"):
         S.iteration("allgatherx", ONE, 2, NET)
@@ -77,6 +99,8 @@ def test_bad_input():
         S.iteration("gtopk", ONE, 0, NET)
     with pytest.raises(HvcommError, match="unknown network"):
         S.network("2gbit")
+    with pytest.raises(HvcommError, match="slice_elems"):
+        S.iteration("p3", ONE, 2, NET, slice_elems=0)
 
 
 def test_shipped_traces_load():
