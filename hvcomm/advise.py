@@ -46,8 +46,10 @@ def main(argv=None) -> int:
     print(report.table([{"method": r.method, "iteration ms": round(r.iteration_s * 1e3, 1),
                          "samples/s": round(r.throughput),
                          "scaling efficiency": round(r.efficiency, 3)} for r in ranked]))
-    print("Predictions of the alpha-beta model (hvcomm.simulate); sparse methods change "
-          "convergence, which this does not model.")
+    print("Predictions of the alpha-beta model (hvcomm.simulate). The sparse (topk, gtopk) and "
+          "delayed (od/ssd/cd-sgd) methods change convergence, which this does not model; P3 "
+          "here is hvcomm's, on allreduce (one ring per slice), not the parameter server of "
+          "its paper.")
     return 0
 
 

@@ -1,7 +1,9 @@
 """Write the per-layer traces of hvcomm/traces/: each model's layers (hvcomm.models, built here)
-timed for a named GPU from their FLOPs and a stated sustained throughput.
+timed for a named GPU from their FLOPs and a stated sustained throughput, or measured on this
+machine's CPU (hvcomm.models.measured_profile, with hvcomm's gradient-ready profiler).
 
-    python scripts/make_traces.py            # every model for every GPU below
+    python scripts/make_traces.py                      # every model for every GPU below
+    python scripts/make_traces.py --measure resnet20   # hvcomm/traces/resnet20-cpu.json
 
 A layer's forward time is its FLOPs times the batch over the GPU's sustained FLOP/s; its
 backward time twice that (input and weight gradients, the usual estimate); the update reads
@@ -9,9 +11,13 @@ and writes 16 bytes per parameter (SGD with momentum, float32) at the GPU's memo
 """
 from __future__ import annotations
 
+import argparse
 import json
 
-from hvcomm.models import MODELS, layer_profile
+import torch
+
+from hvcomm import report
+from hvcomm.models import MODELS, layer_profile, measured_profile
 from hvcomm.simulate import TRACES
 
 # peak float32 FLOP/s and memory bandwidth from the vendors' datasheets; the sustained
@@ -47,17 +53,40 @@ def trace(model: str, gpu: str) -> dict:
     }
 
 
+def measured(model: str, batch: int, steps: int) -> dict:
+    profile = measured_profile(model, batch, steps)
+    return {"model": model, "batch": batch, "bytes_per_param": 4, "device": "cpu",
+            "update_s": profile["update_s"],
+            "source": (f"measured on this machine ({report.setting()['machine']}, torch "
+                       f"{torch.__version__} with {torch.get_num_threads()} threads, commit "
+                       f"{report.commit()}) by "
+                       f"hvcomm.models.measured_profile: median of {steps} steps at batch "
+                       f"{batch} (scripts/make_traces.py --measure)"),
+            "layers": profile["layers"]}
+
+
+def write(path, data) -> None:
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    step = sum(l["forward_s"] + l["backward_s"] for l in data["layers"])
+    print(f"{path.relative_to(TRACES.parent.parent)}: {len(data['layers'])} layers, "
+          f"{sum(l['params'] for l in data['layers']) / 1e6:.1f}M parameters, "
+          f"{step * 1e3:.1f} ms forward+backward at batch {data['batch']}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measure", choices=list(MODELS),
+                    help="measure this model on this machine instead (writes <model>-cpu.json)")
+    ap.add_argument("--batch", type=int, default=32, help="with --measure")
+    ap.add_argument("--steps", type=int, default=5, help="with --measure")
+    args = ap.parse_args()
     TRACES.mkdir(exist_ok=True)
+    if args.measure:
+        write(TRACES / f"{args.measure}-cpu.json", measured(args.measure, args.batch, args.steps))
+        return
     for model in MODELS:
         for gpu in GPUS:
-            path = TRACES / f"{model}-{gpu}.json"
-            data = trace(model, gpu)
-            path.write_text(json.dumps(data, indent=1) + "\n")
-            step = sum(l["forward_s"] + l["backward_s"] for l in data["layers"])
-            print(f"{path.relative_to(TRACES.parent.parent)}: {len(data['layers'])} layers, "
-                  f"{sum(l['params'] for l in data['layers']) / 1e6:.1f}M parameters, "
-                  f"{step * 1e3:.1f} ms forward+backward at batch {data['batch']}")
+            write(TRACES / f"{model}-{gpu}.json", trace(model, gpu))
 
 
 if __name__ == "__main__":

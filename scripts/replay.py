@@ -4,10 +4,10 @@ each method's measured iteration time beside hvcomm.simulate's prediction.
     python scripts/replay.py --trace resnet50-v100 --sizes 2 4 8 --net 1gbit
     python scripts/replay.py --trace resnet20-v100 --sizes 2 --methods wfbp gtopk --steps 5
 
-Driver (default), for each P: first P ranks each alone (one-rank communicators, started together
-on this machine's cores as the real run is), which measure each method's local cost beyond the
-trace under the same sharing of the cores; then one mpirun of P ranks (one emulated host per
-rank with --net), every method in turn. Writes results/replay_<model>_<gpu>_<net>.md (and .json,
+Driver (default), for each P and method: first P ranks each alone (one-rank communicators,
+started together on this machine's cores as the real run is), which measure the method's local
+cost beyond the trace under the same sharing of the cores; then one mpirun of P ranks (one
+emulated host per rank with --net). Writes results/replay_<model>_<gpu>_<net>.md (and .json,
 which scripts/scale_sim.py reads for the simulator's error). The prediction uses alpha and beta
 calibrated on the same communicator in the same run, and those local costs. Each measurement
 is the slowest rank's mean over consecutive steps (a multiple of CD-SGD's period of 5).
@@ -124,47 +124,51 @@ def main() -> None:
     net, label = netem.resolve_net(args.net)
     tmp, rows, local_rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), [], []
     argv = [__file__, "--worker", "--trace", args.trace, "--density", str(args.density),
-            "--warmup", str(args.warmup), "--steps", str(args.steps), "--methods", *args.methods]
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--methods"]
+    name = f"replay_{trace.model}_{Path(args.trace).stem.split('-', 1)[-1]}_{net}"
     for p in args.sizes:
-        # P ranks alone first, together on this machine's cores: each method's cost beyond the
-        # trace (selection, error feedback, hooks, copies, update) when P ranks share the cores
-        alone = netem.run_worker(p, argv + ["--alone"], timeout=3600,
-                                 out=tmp / f"{p}-alone.json")["rows"]
-        local = {m: max(t - trace.compute_s, 0.0) for m, t in alone.items()}
-        local_rows += [{"P": p, "method": m, "alone ms": round(t * 1e3, 1),
-                        "local ms (beyond the trace)": round(local[m] * 1e3, 1)}
-                       for m, t in alone.items()]
-        res = netem.run_worker(p, argv, timeout=3600, out=tmp / f"{p}.json", net=net)
-        fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"])
-        for method, measured in res["rows"].items():
+        for method in args.methods:  # one mpirun each: every method starts from a fresh process
+            # P ranks alone first, together on this machine's cores: the method's cost beyond
+            # the trace (selection, error feedback, hooks, copies, update) when P ranks share
+            # the cores
+            alone = netem.run_worker(p, argv + [method, "--alone"], timeout=3600,
+                                     out=tmp / f"{p}-{method}-alone.json")["rows"][method]
+            local = max(alone - trace.compute_s, 0.0)
+            local_rows.append({"P": p, "method": method, "alone ms": round(alone * 1e3, 1),
+                               "local ms (beyond the trace)": round(local * 1e3, 1)})
+            res = netem.run_worker(p, argv + [method], timeout=3600,
+                                   out=tmp / f"{p}-{method}.json", net=net)
+            fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"])
+            measured = res["rows"][method]
             pred = simulate.iteration(method, trace, p, fitted, args.density,
-                                      compute=simulate.COMPUTE["cpu"],
-                                      local_s=local[method]).iteration_s
+                                      compute=simulate.COMPUTE["cpu"], local_s=local).iteration_s
             rows.append({"P": p, "method": method, "measured ms": round(measured * 1e3, 1),
                          "predicted ms": round(pred * 1e3, 1),
                          "predicted / measured": round(pred / measured, 3),
                          "within 15%": abs(pred / measured - 1) <= 0.15,
                          "alpha us": round(res["alpha_s"] * 1e6, 1),
                          "Gbit/s": round(fitted.bandwidth_bit_s / 1e9, 2)})
-        print(report.table([r for r in rows if r["P"] == p], HEADERS), flush=True)
-    within = sum(r["within 15%"] for r in rows)
-    summary = f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows.\n"
-    name = f"replay_{trace.model}_{Path(args.trace).stem.split('-', 1)[-1]}_{net}"
+            print(report.table(rows[-1:], HEADERS), flush=True)
+        path = write(name, args, trace, label, rows, local_rows)  # after each P: kept if later
+    print(f"written to {path.relative_to(report.ROOT)}")     # ones fail
+
+
+def write(name, args, trace, label, rows, local_rows) -> Path:
+    """results/<name>.md (the tables) and results/<name>.json (the rows, for scale_sim)."""
     (report.RESULTS / f"{name}.json").write_text(json.dumps(
-        {"trace": args.trace, "network": net, "rows": rows}, indent=1) + "\n")
-    path = report.write(name, f"Replay of {args.trace}: measured beside predicted",
-                        report.setting(network=label, trace=f"{args.trace}: {trace.source}",
-                                       steps=f"{args.warmup} untimed, then the slowest rank's "
-                                             f"mean over {args.steps} consecutive steps",
-                                       density=str(args.density),
-                                       prediction=PREDICTION),
-                        "Measured and predicted (alpha and bandwidth: the calibration of that "
-                        "mpirun):\n\n" + report.table(rows, HEADERS + ("alpha us", "Gbit/s"))
-                        + summary
-                        + "\nP ranks alone (one-rank communicators, started together): each "
-                        f"method's cost beyond the trace's {trace.compute_s * 1e3:.1f} ms\n\n"
-                        + report.table(local_rows) + "\n")
-    print(f"written to {path.relative_to(report.ROOT)}")
+        {"trace": args.trace, "network": name.rsplit("_", 1)[-1], "rows": rows}, indent=1) + "\n")
+    within = sum(r["within 15%"] for r in rows)
+    return report.write(
+        name, f"Replay of {args.trace}: measured beside predicted",
+        report.setting(network=label, trace=f"{args.trace}: {trace.source}",
+                       steps=f"{args.warmup} untimed, then the slowest rank's mean over "
+                             f"{args.steps} consecutive steps; one mpirun per P and method",
+                       density=str(args.density), prediction=PREDICTION),
+        "Measured and predicted (alpha and bandwidth: the calibration of that mpirun):\n\n"
+        + report.table(rows, HEADERS + ("alpha us", "Gbit/s"))
+        + f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows.\n"
+        + "\nP ranks alone (one-rank communicators, started together): each method's cost "
+        f"beyond the trace's {trace.compute_s * 1e3:.1f} ms\n\n" + report.table(local_rows) + "\n")
 
 
 if __name__ == "__main__":

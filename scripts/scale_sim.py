@@ -7,6 +7,8 @@ gTop-k and OD-SGD. Writes results/scale_<model>.md and a plot per model.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 
 from hvcomm import report, simulate
 
@@ -38,6 +40,27 @@ def plot(rows, model, path):
     fig.savefig(path, dpi=110)
 
 
+def replay_error() -> str:
+    """The simulator's error against every replay recorded in results/ (replay_*.json, written
+    by scripts/replay.py): per replay and method, predicted / measured at each P."""
+    rows = []
+    for path in sorted(report.RESULTS.glob("replay_*.json")):
+        data = json.loads(path.read_text())
+        for method in dict.fromkeys(r["method"] for r in data["rows"]):
+            mine = [r for r in data["rows"] if r["method"] == method]
+            rows.append({"replay": f"{data['trace']}, {data['network']}", "method": method,
+                         **{f"P={r['P']}": r["predicted / measured"] for r in mine},
+                         "within 15%": f"{sum(r['within 15%'] for r in mine)} of {len(mine)}"})
+    if not rows:
+        return "No replay recorded in results/ yet: the rows above are the model's only.\n"
+    ratios = [v for r in rows for k, v in r.items() if k.startswith("P=")]
+    within = sum(abs(v - 1) <= 0.15 for v in ratios)
+    return ("The simulator's error against replay (predicted / measured; scripts/replay.py, "
+            "results/replay_*.md): " + f"{within} of {len(ratios)} rows within 15%, median "
+            f"ratio {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}."
+            "\n\n" + report.table(rows) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", default="p102-100")
@@ -58,11 +81,7 @@ def main() -> None:
         name = f"scale_{model}"
         plot(rows, model, report.RESULTS / f"{name}.png")
         body = (report.table(rows) + f"\n\nPlot: `results/{name}.png`.\n\nThe papers: {PAPERS}\n\n"
-                "The simulator's error against replay, so far only ResNet-50 at P=2 and 4 "
-                "(results/replay_resnet50_v100_*.md): 10 of 14 rows within 15% at 1 Gbit, 3 of 14 "
-                "at 10 Gbit, where the emulated links and four ranks share this machine's two "
-                "cores. Not yet checked at P=8 or on VGG-16: the rows above are the model's "
-                "predictions only.\n")
+                + replay_error())
         path = report.write(name, f"Predicted scaling efficiency, {model}", report.setting(
             trace=f"hvcomm/traces/{model}-{args.gpu}.json: {trace.source}",
             networks="; ".join(f"{n}: alpha {simulate.NETWORKS[n].alpha_s * 1e6:.0f} us, "

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hvcomm import netem, simulate
+from hvcomm.models import layer_profile, measured_profile
 from hvcomm.replay import ReplayModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,3 +45,19 @@ def test_replay_at_two_ranks(alone):
     assert all(t >= 0.99 * floor for t in res["rows"].values()), res
     # two ranks alone calibrate nothing (one-rank communicators); together they do
     assert (res["alpha_s"] > 0 and res["beta_s_per_byte"] > 0) != alone
+
+
+def test_measured_profile_has_the_models_layers_and_times():
+    measured = measured_profile("resnet20", batch=4, steps=2)
+    expected = layer_profile("resnet20")
+    assert [(l["name"], l["shapes"], l["params"]) for l in measured["layers"]] == \
+        [(l["name"], l["shapes"], l["params"]) for l in expected]
+    assert all(l["forward_s"] > 0 for l in measured["layers"])
+    assert all(l["backward_s"] >= 0 for l in measured["layers"])
+    assert sum(l["backward_s"] for l in measured["layers"]) > 0 and measured["update_s"] > 0
+    # as a trace, it replays
+    trace = simulate.LayerTrace("resnet20", tuple(
+        simulate.Layer(l["name"], l["params"], l["forward_s"], l["backward_s"],
+                       tuple(map(tuple, l["shapes"]))) for l in measured["layers"]), batch=4)
+    assert [tuple(p.shape) for p in ReplayModel(trace).parameters()] == \
+        [tuple(s) for l in expected for s in l["shapes"]]
