@@ -202,7 +202,6 @@ def layer_profile(name: str) -> List[Dict]:
     return layers
 
 
-
 def measured_profile(name: str, batch: int, steps: int = 5, seed: int = 0) -> Dict:
     """Each parameter-holding module's forward and backward time on this machine (float32, the
     threads torch has), in forward (call) order: the median over ``steps`` training steps after
