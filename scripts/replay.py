@@ -25,13 +25,11 @@ from pathlib import Path
 from hvcomm import netem, report, simulate
 
 METHODS = simulate.METHODS
-# allreduce sizes: alpha from small messages, beta from messages as large as the methods send
-# (a single fit over both puts the intercept at the noise of the large ones)
-SMALL_BYTES = (4 << 10, 16 << 10, 64 << 10, 256 << 10)
-LARGE_BYTES = (1 << 20, 8 << 20, 32 << 20)
-PREDICTION = ("hvcomm.simulate with alpha and beta calibrated in the same mpirun (alpha from "
-              "allreduce of 4-256 KiB, beta from 1-32 MiB), each method's local cost from the P "
-              "ranks alone, and this machine's merge/sum costs (COMPUTE['cpu'])")
+PREDICTION = ("hvcomm.simulate with alpha and beta measured in the same mpirun (alpha: an "
+              "allreduce of one float, over 2(P-1); beta: an allreduce of the whole model's "
+              "gradients, less its alphas, over 2(P-1)/P of its bytes), each method's local "
+              "cost from the P ranks alone, and this machine's merge/sum costs "
+              "(COMPUTE['cpu'])")
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
 
 
@@ -68,11 +66,28 @@ def mean_step_s(comm, step, steps: int) -> float:
     return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / steps
 
 
+def link_cost(comm, elements: int) -> "tuple[float, float]":
+    """alpha and beta of the ring allreduce on ``comm``, from the two messages that matter:
+    one float (latency: a fit over several sizes put the intercept at zero or below on the
+    emulated links, whose token bucket lets small messages through at once) and the whole
+    model's gradients (what the dense methods move per step)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from collectives import time_collective
+
+    p = comm.Get_size()
+    one, full = np.ones(1, np.float32), np.ones(elements, np.float32)
+    tiny = time_collective(comm, lambda: comm.Allreduce(MPI.IN_PLACE, one), 20)
+    big = time_collective(comm, lambda: comm.Allreduce(MPI.IN_PLACE, full), 3)
+    alpha = tiny / (2 * (p - 1))
+    return alpha, max(big - tiny, 1e-12) / (2 * (p - 1) / p * full.nbytes)
+
+
 def worker(args) -> None:
     import torch
     from mpi4py import MPI
 
-    import collectives as C
     import hvcomm.torch as hvd
     from hvcomm.replay import ReplayModel
 
@@ -80,9 +95,7 @@ def worker(args) -> None:
     comm = MPI.COMM_WORLD
     hvd.init(MPI.COMM_SELF if args.alone else comm)
     trace = simulate.LayerTrace.named(args.trace)
-    calibrated = MPI.COMM_SELF if args.alone else comm
-    small = C.calibrate(calibrated, SMALL_BYTES, repeats=5).alpha_beta
-    large = C.calibrate(calibrated, LARGE_BYTES, repeats=3).alpha_beta
+    alpha_s, beta_s_per_byte = (0.0, 0.0) if args.alone else link_cost(comm, trace.params)
     rows = {}
     for method in args.methods:
         model = ReplayModel(trace, rank=comm.rank)
@@ -98,8 +111,8 @@ def worker(args) -> None:
         del opt, model, step  # free this method's model before the next one's
     if comm.rank == 0:
         Path(args.out).write_text(json.dumps({
-            "ranks": comm.size, "rows": rows, "alpha_s": small.alpha_s,
-            "beta_s_per_byte": large.beta_s_per_byte}))
+            "ranks": comm.size, "rows": rows, "alpha_s": alpha_s,
+            "beta_s_per_byte": beta_s_per_byte}))
 
 
 def main() -> None:
