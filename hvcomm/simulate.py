@@ -13,7 +13,7 @@ them :func:`iteration` predicts one method's iteration time at P workers:
 - ``p3``: every parameter cut into slices of ``slice_elems`` elements, one allreduce each (with
   the ranks' readiness vector appended), always the ready slice closest to the input first; the
   next iteration's forward of a layer waits only for that layer's slices and its share of the
-  update (an event simulation of a few iterations, the last one's period);
+  update (an event simulation of a few iterations, the steady period);
 - ``od-sgd`` and ``ssd-sgd``: dense allreduce of the whole model overlapped with the next
   iteration's forward and backward (one message per iteration, its cost hidden up to the
   computation's length; SSD-SGD's resets every k steps are local and cost no communication);
@@ -189,8 +189,10 @@ def iteration(method: str, trace: LayerTrace, workers: int, net: Network,
     ``compute`` defaults to the costs of the trace's device (:data:`COMPUTE`). ``slice_elems``:
     P3's slice; ``delay_k``: CD-SGD's full-precision period (hvcomm's defaults). ``local_s``:
     a measured per-iteration cost beyond the trace on one worker (the method's selection and
-    error feedback, the framework's hooks and update), e.g. a replay at P=1 minus the trace;
-    it then stands in for the modelled selection cost, and is on the critical path."""
+    error feedback, the framework's hooks and update), e.g. a replay on a one-rank
+    communicator minus the trace (scripts/replay.py runs P of them at once, sharing the cores
+    as the P workers do); it then stands in for the modelled selection cost, and is on the
+    critical path."""
     if method not in METHODS:
         raise HvcommError(f"unknown method {method!r}; choose one of {METHODS}")
     if workers < 1:

@@ -1,7 +1,8 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
 alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
-each rank sends; and the dense sum in float16 (``icast_allreduce`` with torch's casts, as
-hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's. The sparse
+each rank sends; and the dense sum in float16 (``cast_allreduce`` with torch's casts, as
+hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's, and beside its
+non-blocking form ``icast_allreduce``. The sparse
 collectives run with their default settings (input check on).
 
 Driver (default): one mpirun per P; prints and writes results/collectives_<net>.md.
@@ -41,8 +42,11 @@ def worker(args) -> None:
                 comm, lambda: C.allreduce(comm, grad, out, check=False), args.repeats)
             # summed in place as hvcomm.torch sums it (torch's casts), a fresh copy per call
             # made before the clock starts
-            halves = iter([grad.astype(np.float16) for _ in range(args.repeats + 1)])
+            halves = iter([grad.astype(np.float16) for _ in range(2 * args.repeats + 2)])
             t_half = C.time_collective(
+                comm, lambda: C.cast_allreduce(comm, next(halves), sum_pieces_torch),
+                args.repeats)
+            t_half_nb = C.time_collective(
                 comm, lambda: C.icast_allreduce(comm, next(halves), sum_pieces_torch).wait(),
                 args.repeats)
             res = {"ag": [], "gt": []}
@@ -59,6 +63,7 @@ def worker(args) -> None:
                 "P": p, "d": d, "density": density, "k": k,
                 "dense s": t_dense, "dense model s": C.ring_allreduce_s(p, grad.nbytes, ab),
                 "dense fp16 s": t_half, "fp16 / dense": t_half / t_dense,
+                "fp16 non-blocking s": t_half_nb,
                 "allgather s": t_ag, "allgather compute s": compute[0],
                 "allgather model s": C.topk_allgather_s(p, k, pair, ab),
                 "gtopk s": t_gt, "gtopk compute s": compute[1],
@@ -81,6 +86,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, nargs="*", default=[1_000_000, 26_214_400])
     ap.add_argument("--density", type=float, nargs="*", default=[0.01, 0.001])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--name", help="results/<name>.md (default: collectives_<net>)")
     netem.add_net_option(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -99,7 +105,7 @@ def main() -> None:
         print(report.table(res["rows"]), flush=True)
     text = report.table(rows) + "\n\nCalibrated on the live communicator (allreduce sweep):\n\n" \
         + "\n".join(f"- {f}" for f in fits)
-    path = report.write(f"collectives_{net}", "Collectives: dense vs Top-k AllGather vs gTop-k",
+    path = report.write(args.name or f"collectives_{net}", "Collectives: dense vs Top-k AllGather vs gTop-k",
                         report.setting(network=label, values="float32, indices int32",
                                        timing=f"median of {args.repeats} runs of the slowest rank, "
                                        "after one warm-up; ranks beyond 2 are oversubscribed",

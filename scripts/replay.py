@@ -166,10 +166,42 @@ def main() -> None:
     print(f"written to {path.relative_to(report.ROOT)}")     # ones fail
 
 
+def plot(rows, title: str, path: Path) -> None:
+    """Predicted against measured, one marker per row (method by colour, P by shape), with
+    the 15% band around equality."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    shapes = dict(zip(sorted({r["P"] for r in rows}), "o^sD"))
+    for i, method in enumerate(methods):
+        for r in (r for r in rows if r["method"] == method):
+            ax.scatter(r["measured ms"], r["predicted ms"], color=f"C{i % 10}",
+                       marker=shapes[r["P"]], s=36)
+    lo = min(min(r["measured ms"], r["predicted ms"]) for r in rows) * 0.8
+    hi = max(max(r["measured ms"], r["predicted ms"]) for r in rows) * 1.2
+    ax.plot([lo, hi], [lo, hi], color="k", lw=0.8)
+    ax.fill_between([lo, hi], [0.85 * lo, 0.85 * hi], [1.15 * lo, 1.15 * hi], color="k",
+                    alpha=0.08, label="within 15%")
+    for i, method in enumerate(methods):
+        ax.scatter([], [], color=f"C{i % 10}", label=method)
+    for p, marker in shapes.items():
+        ax.scatter([], [], color="gray", marker=marker, label=f"P={p}")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), title=title,
+           xlabel="measured ms per iteration (replay)", ylabel="predicted ms (hvcomm.simulate)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write(name, args, trace, label, rows, local_rows) -> Path:
-    """results/<name>.md (the tables) and results/<name>.json (the rows, for scale_sim)."""
+    """results/<name>.md (the tables), .png (the plot) and .json (the rows, for scale_sim)."""
     (report.RESULTS / f"{name}.json").write_text(json.dumps(
         {"trace": args.trace, "network": name.rsplit("_", 1)[-1], "rows": rows}, indent=1) + "\n")
+    plot(rows, f"{args.trace}, {name.rsplit('_', 1)[-1]}", report.RESULTS / f"{name}.png")
     within = sum(r["within 15%"] for r in rows)
     return report.write(
         name, f"Replay of {args.trace}: measured beside predicted",
@@ -179,7 +211,8 @@ def write(name, args, trace, label, rows, local_rows) -> Path:
                        density=str(args.density), prediction=PREDICTION),
         "Measured and predicted (alpha and bandwidth: the calibration of that mpirun):\n\n"
         + report.table(rows, HEADERS + ("alpha us", "Gbit/s"))
-        + f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows.\n"
+        + f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows. Plot: "
+        f"`results/{name}.png`.\n"
         + "\nP ranks alone (one-rank communicators, started together): each method's cost "
         f"beyond the trace's {trace.compute_s * 1e3:.1f} ms\n\n" + report.table(local_rows) + "\n")
 
