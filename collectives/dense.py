@@ -71,7 +71,7 @@ def _chunks(n: int, p: int, r: int):
     return (counts, offsets), ([mine] * p, [q * mine for q in range(p)])
 
 
-def _cast_steps(comm, x, add, blocking: bool, ws: Workspace):
+def _cast_steps(comm, x, add, ws: Workspace):
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1:
         return x
@@ -80,10 +80,6 @@ def _cast_steps(comm, x, add, blocking: bool, ws: Workspace):
     # reduce-scatter as an alltoall: chunk c of every rank goes to rank c, in x.dtype
     mine = layout[0][r]
     pieces = ws.get("pieces", p * mine, x.dtype).reshape(p, mine)
-    if blocking:
-        comm.Alltoallv((flat, layout), (pieces, pieces_layout))
-        comm.Allgatherv(add(pieces, ws), (flat, layout))
-        return x
     yield [comm.Ialltoallv((flat, layout), (pieces, pieces_layout))]
     yield [comm.Iallgatherv(add(pieces, ws), (flat, layout))]
     return x
@@ -104,19 +100,7 @@ def icast_allreduce(comm: MPI.Comm, x: np.ndarray,
     call's workspace ``ws`` (default :func:`sum_pieces`, NumPy, in float32); a caller with
     a faster float16 conversion (torch's) passes its own.
     """
-    return _cast_allreduce(comm, x, add, blocking=False)
-
-
-def cast_allreduce(comm: MPI.Comm, x: np.ndarray,
-                   add: Callable[[np.ndarray, Workspace], np.ndarray] = sum_pieces) -> np.ndarray:
-    """Blocking :func:`icast_allreduce`, with MPI's blocking collectives: in Open MPI these
-    take ~20% less time than the non-blocking ones (libnbc) for the same exchange
-    (results/collectives_shm.md). Returns ``x``, summed in place."""
-    return _cast_allreduce(comm, x, add, blocking=True).wait()
-
-
-def _cast_allreduce(comm, x, add, blocking: bool) -> Pending:
     err = _dense_error(x)
     if err:
         raise HvcommError(f"cast_allreduce: {err}")
-    return Pending(pooled(_cast_steps, comm, x, add, blocking))
+    return Pending(pooled(_cast_steps, comm, x, add))

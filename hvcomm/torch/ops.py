@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from collectives.dense import cast_allreduce
+from collectives.dense import icast_allreduce
 from collectives.errors import HvcommError
 from collectives.workspace import Workspace
 
@@ -65,7 +65,7 @@ def sum_in_place(comm: MPI.Comm, buf: np.ndarray) -> None:
     (float16 on the wire, float32 additions): Open MPI's float16 sum is about 100x slower
     than float32's."""
     if buf.dtype == np.float16:
-        cast_allreduce(comm, buf, sum_pieces_torch)
+        icast_allreduce(comm, buf, sum_pieces_torch).wait()
     else:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
