@@ -30,12 +30,18 @@ PREDICTION = ("hvcomm.simulate with alpha and beta measured in the same mpirun (
               "gradients, less its alphas, over 2(P-1)/P of its bytes), each method's local "
               "cost from the P ranks alone, and this machine's merge/sum costs "
               "(COMPUTE['cpu'])")
+# MG-WFBP profiles (1 skipped + 3 steps), then races up to 4 plans (1 warm-up + TRIAL_STEPS
+# each) before it keeps one: its untimed steps are that many more, so none of the race is timed
+TRIAL_STEPS = 2
+RACE_STEPS = 1 + 3 + 4 * (1 + TRIAL_STEPS)
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
 
 
 def optimizer_options(method: str, density: float, hvd, model) -> dict:
     if method == "p3":  # with the model, each layer's next forward waits for its slices only
         return {"schedule": "p3", "model": model}
+    if method == "mgwfbp":
+        return {"schedule": method, "trial_steps": TRIAL_STEPS}
     if method in simulate.DENSE:
         return {"schedule": method}
     if method == "topk":
@@ -103,7 +109,7 @@ def worker(args) -> None:
                                        named_parameters=model.named_parameters(),
                                        **optimizer_options(method, args.density, hvd, model))
         step = functools.partial(train_step, opt, model)
-        for _ in range(args.warmup):
+        for _ in range(args.warmup + (RACE_STEPS if method == "mgwfbp" else 0)):
             step()
         rows[method] = mean_step_s(comm, step, args.steps)
         if hasattr(opt, "finish_pending"):
@@ -125,8 +131,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--warmup", type=int, default=12,
-                    help="untimed steps first, at least 1 (the schedules profile and race "
-                         "plans in them)")
+                    help="untimed steps first (the schedules profile in them; mgwfbp gets "
+                         f"{RACE_STEPS} more for its race)")
     ap.add_argument("--steps", type=int, default=10)
     netem.add_net_option(ap)
     ap.add_argument("--out")
@@ -206,8 +212,10 @@ def write(name, args, trace, label, rows, local_rows) -> Path:
     return report.write(
         name, f"Replay of {args.trace}: measured beside predicted",
         report.setting(network=label, trace=f"{args.trace}: {trace.source}",
-                       steps=f"{args.warmup} untimed, then the slowest rank's mean over "
-                             f"{args.steps} consecutive steps; one mpirun per P and method",
+                       steps=f"{args.warmup} untimed ({args.warmup + RACE_STEPS} for mgwfbp, "
+                             f"whose race of plans takes {TRIAL_STEPS} timed steps each), then "
+                             f"the slowest rank's mean over {args.steps} consecutive steps; one "
+                             "mpirun per P and method",
                        density=str(args.density), prediction=PREDICTION),
         "Measured and predicted (alpha and bandwidth: the calibration of that mpirun):\n\n"
         + report.table(rows, HEADERS + ("alpha us", "Gbit/s"))
