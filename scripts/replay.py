@@ -136,9 +136,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     netem.add_net_option(ap)
     ap.add_argument("--out")
+    ap.add_argument("--replot", metavar="JSON",
+                    help="only redraw the plot of a recorded replay (results/replay_*.json)")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        return plot(data["rows"], f"{data['trace']}, {data['network']}",
+                    Path(args.replot).with_suffix(".png"))
     trace = simulate.LayerTrace.named(args.trace)
     net, label = netem.resolve_net(args.net)
     tmp, rows, local_rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), [], []
@@ -193,7 +199,7 @@ def plot(rows, title: str, path: Path) -> None:
     for i, method in enumerate(methods):
         ax.scatter([], [], color=f"C{i % 10}", label=method)
     for p, marker in shapes.items():
-        ax.scatter([], [], color="gray", marker=marker, label=f"P={p}")
+        ax.scatter([], [], facecolors="none", edgecolors="k", marker=marker, label=f"P={p}")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), title=title,
            xlabel="measured ms per iteration (replay)", ylabel="predicted ms (hvcomm.simulate)")
     ax.legend(fontsize=7, ncol=2)

@@ -53,12 +53,13 @@ def replay_error() -> str:
                          "within 15%": f"{sum(r['within 15%'] for r in mine)} of {len(mine)}"})
     if not rows:
         return "No replay recorded in results/ yet: the rows above are the model's only.\n"
+    sizes = sorted({k for r in rows for k in r if k.startswith("P=")}, key=lambda k: int(k[2:]))
     ratios = [v for r in rows for k, v in r.items() if k.startswith("P=")]
     within = sum(abs(v - 1) <= 0.15 for v in ratios)
     return ("The simulator's error against replay (predicted / measured; scripts/replay.py, "
             "results/replay_*.md): " + f"{within} of {len(ratios)} rows within 15%, median "
             f"ratio {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}."
-            "\n\n" + report.table(rows) + "\n")
+            "\n\n" + report.table(rows, ["replay", "method", *sizes, "within 15%"]) + "\n")
 
 
 def main() -> None:
