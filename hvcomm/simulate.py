@@ -102,7 +102,11 @@ class LayerTrace:
 
     @classmethod
     def load(cls, path) -> "LayerTrace":
-        data = json.loads(Path(path).read_text())
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerTrace":
+        """A trace from the JSON layout of hvcomm/traces (scripts/make_traces.py)."""
         layers = tuple(Layer(l["name"], int(l["params"]), float(l["forward_s"]),
                              float(l["backward_s"]),
                              tuple(tuple(int(n) for n in shape) for shape in l.get("shapes", ())))

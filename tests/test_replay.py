@@ -56,8 +56,6 @@ def test_measured_profile_has_the_models_layers_and_times():
     assert all(l["backward_s"] >= 0 for l in measured["layers"])
     assert sum(l["backward_s"] for l in measured["layers"]) > 0 and measured["update_s"] > 0
     # as a trace, it replays
-    trace = simulate.LayerTrace("resnet20", tuple(
-        simulate.Layer(l["name"], l["params"], l["forward_s"], l["backward_s"],
-                       tuple(map(tuple, l["shapes"]))) for l in measured["layers"]), batch=4)
+    trace = simulate.LayerTrace.from_dict({"model": "resnet20", "batch": 4, **measured})
     assert [tuple(p.shape) for p in ReplayModel(trace).parameters()] == \
         [tuple(s) for l in expected for s in l["shapes"]]
