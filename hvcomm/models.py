@@ -218,8 +218,9 @@ def measured_profile(name: str, batch: int, steps: int = 5, seed: int = 0) -> Di
     build, example = MODELS[name]
     torch.manual_seed(seed)
     model = build()
-    shape = (batch, *example().shape[1:])
-    x = (torch.randint(0, 1000, shape) if example().dtype == torch.long else torch.randn(shape))
+    one = example()
+    shape = (batch, *one.shape[1:])
+    x = torch.randint(0, 1000, shape) if one.dtype == torch.long else torch.randn(shape)
     modules = [(n, m) for n, m in model.named_modules() if list(m.parameters(recurse=False))]
     owner = {p: li for li, (_, m) in enumerate(modules) for p in m.parameters(recurse=False)}
     params = [p for p in model.parameters() if p in owner]

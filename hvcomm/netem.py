@@ -89,8 +89,8 @@ def netem_available() -> bool:
     if run_command("ip", "netns", "add", probe, check=False).returncode != 0:
         return False
     try:
-        return run_command("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
-                   "netem", "delay", "1us", check=False).returncode == 0
+        return run_command("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo",
+                           "root", "netem", "delay", "1us", check=False).returncode == 0
     finally:
         run_command("ip", "netns", "del", probe, check=False)
 
@@ -198,7 +198,7 @@ class EmulatedCluster:
             ns, port = self.namespace(i), f"p{i}"
             run_command("ip", "netns", "add", ns)
             run_command("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", port,
-                "netns", self.switch)
+                        "netns", self.switch)
             run_command("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
             run_command("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             run_command("ip", "-n", ns, "link", "set", "eth0", "up")

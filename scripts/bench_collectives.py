@@ -100,7 +100,8 @@ def main() -> None:
         print(report.table(res["rows"]), flush=True)
     text = report.table(rows) + "\n\nCalibrated on the live communicator (allreduce sweep):\n\n" \
         + "\n".join(f"- {f}" for f in fits)
-    path = report.write(args.name or f"collectives_{net}", "Collectives: dense vs Top-k AllGather vs gTop-k",
+    path = report.write(args.name or f"collectives_{net}",
+                        "Collectives: dense vs Top-k AllGather vs gTop-k",
                         report.setting(network=label, values="float32, indices int32",
                                        timing=f"median of {args.repeats} runs of the slowest rank, "
                                        "after one warm-up; ranks beyond 2 are oversubscribed",

@@ -174,7 +174,7 @@ def main() -> None:
                          "alpha us": round(res["alpha_s"] * 1e6, 1),
                          "Gbit/s": round(fitted.bandwidth_bit_s / 1e9, 2)})
             print(report.table(rows[-1:], HEADERS), flush=True)
-        path = write(name, args, trace, label, rows, local_rows)  # after each P: kept if later
+        path = write(name, net, label, args, trace, rows, local_rows)  # after each P: kept if later
     print(f"written to {path.relative_to(report.ROOT)}")     # ones fail
 
 
@@ -209,11 +209,11 @@ def plot(rows, title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def write(name, args, trace, label, rows, local_rows) -> Path:
+def write(name, net, label, args, trace, rows, local_rows) -> Path:
     """results/<name>.md (the tables), .png (the plot) and .json (the rows, for scale_sim)."""
     (report.RESULTS / f"{name}.json").write_text(json.dumps(
-        {"trace": args.trace, "network": name.rsplit("_", 1)[-1], "rows": rows}, indent=1) + "\n")
-    plot(rows, f"{args.trace}, {name.rsplit('_', 1)[-1]}", report.RESULTS / f"{name}.png")
+        {"trace": args.trace, "network": net, "rows": rows}, indent=1) + "\n")
+    plot(rows, f"{args.trace}, {net}", report.RESULTS / f"{name}.png")
     within = sum(r["within 15%"] for r in rows)
     return report.write(
         name, f"Replay of {args.trace}: measured beside predicted",
