@@ -61,46 +61,59 @@ def sum_pieces(pieces: np.ndarray, ws: Optional[Workspace] = None,
     return total.astype(pieces.dtype)
 
 
+CAST_TAG = 7302  # the point-to-point messages of icast_allreduce (gTop-k's: 7301)
+
+
 @functools.lru_cache(maxsize=256)
-def _chunks(n: int, p: int, r: int):
-    """Rank q's chunk of n elements (counts, offsets), and where the P pieces of rank r's
-    chunk land in its receive buffer: Python ints, built once per (n, p, r)."""
+def _chunks(n: int, p: int):
+    """The P chunks of n elements (counts, offsets): Python ints, built once per (n, p)."""
     counts = [n // p + (q < n % p) for q in range(p)]
-    offsets = [sum(counts[:q]) for q in range(p)]
-    mine = counts[r]
-    return (counts, offsets), ([mine] * p, [q * mine for q in range(p)])
+    return counts, [sum(counts[:q]) for q in range(p)]
 
 
-def _cast_steps(comm, x, add, ws: Workspace):
+def _cast_steps(comm, x, add, tag, ws: Workspace):
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1:
         return x
     flat = x.reshape(-1)  # a view, x being contiguous
-    layout, pieces_layout = _chunks(flat.size, p, r)
-    # reduce-scatter as an alltoall: chunk c of every rank goes to rank c, in x.dtype
-    mine = layout[0][r]
-    pieces = ws.get("pieces", p * mine, x.dtype).reshape(p, mine)
-    yield [comm.Ialltoallv((flat, layout), (pieces, pieces_layout))]
-    yield [comm.Iallgatherv(add(pieces, ws), (flat, layout))]
+    counts, offsets = _chunks(flat.size, p)
+    chunk = [flat[o:o + c] for o, c in zip(offsets, counts)]
+    peers = [(r + s) % p for s in range(1, p)]  # each rank starts with its right neighbour
+    # reduce-scatter: chunk c of every rank goes to rank c, in x.dtype
+    pieces = ws.get("pieces", p * counts[r], x.dtype).reshape(p, counts[r])
+    requests = [comm.Irecv(pieces[q], source=q, tag=tag) for q in peers]
+    requests += [comm.Isend(chunk[q], dest=q, tag=tag) for q in peers]
+    pieces[r] = chunk[r]
+    yield requests
+    total = add(pieces, ws)
+    # allgather of the reduced chunks
+    requests = [comm.Irecv(chunk[q], source=q, tag=tag) for q in peers]
+    requests += [comm.Isend(total, dest=q, tag=tag) for q in peers]
+    chunk[r][:] = total
+    yield requests
     return x
 
 
 def icast_allreduce(comm: MPI.Comm, x: np.ndarray,
-                    add: Callable[[np.ndarray, Workspace], np.ndarray] = sum_pieces) -> Pending:
+                    add: Callable[[np.ndarray, Workspace], np.ndarray] = sum_pieces, *,
+                    tag: int = CAST_TAG) -> Pending:
     """Sum ``x`` over ranks in place, moving ``x.dtype`` on the wire but adding in a wider
     type: for float16, whose MPI reduction runs ~100x slower than float32's in
     Open MPI (measured here), and which loses precision when summed in float16.
 
-    A reduce-scatter done as one Alltoallv (rank c receives chunk c of every rank and sums
-    the P pieces in rank order), then an Allgatherv of the reduced chunks: two MPI
-    collectives, 2(P-1)/P * d * itemsize bytes per rank, as a ring allreduce in x.dtype.
-    Every rank ends with the same values (each chunk is rounded to x.dtype once, by its
-    owner). Any shape: the chunks are cut from the flat view of ``x`` (C-contiguous).
-    ``add(pieces, ws)`` sums the (P, m) pieces a rank receives, with scratch from the
-    call's workspace ``ws`` (default :func:`sum_pieces`, NumPy, in float32); a caller with
-    a faster float16 conversion (torch's) passes its own.
+    A reduce-scatter (rank c receives chunk c of every rank and sums the P pieces in rank
+    order), then an allgather of the reduced chunks, each as point-to-point messages between
+    every pair of ranks (faster here than libnbc's Ialltoallv and Iallgatherv: 0.26 against
+    0.30 ms at P=2, 0.92 against 1.09 at P=4, for 301K halves on shared memory):
+    2(P-1)/P * d * itemsize bytes per rank, as a ring allreduce in x.dtype. Every rank ends
+    with the same values (each chunk is rounded to x.dtype once, by its owner). Any shape:
+    the chunks are cut from the flat view of ``x`` (C-contiguous). ``add(pieces, ws)`` sums
+    the (P, m) pieces a rank receives, with scratch from the call's workspace ``ws`` (default
+    :func:`sum_pieces`, NumPy, in float32); a caller with a faster float16 conversion
+    (torch's) passes its own. Calls in flight together on one communicator need distinct
+    tags.
     """
     err = _dense_error(x)
     if err:
         raise HvcommError(f"cast_allreduce: {err}")
-    return Pending(pooled(_cast_steps, comm, x, add))
+    return Pending(pooled(_cast_steps, comm, x, add, tag))
