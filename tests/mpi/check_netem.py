@@ -1,5 +1,6 @@
-"""Runs across an emulated cluster: each rank reports its network namespace; ranks 0 and 1
-time a transfer over their link."""
+"""Runs across an emulated cluster: each rank reports its network namespace and whether MPI
+sees one node; ranks 0 and 1 time a transfer over their link; a float16 cast allreduce (the
+collective path, as the hosts are separate nodes) sums exactly."""
 import json
 import os
 import subprocess
@@ -8,6 +9,8 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+
+import collectives as C
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from harness import Checks  # noqa: E402
@@ -29,8 +32,16 @@ def main():
         comm.Recv(buf, source=0)
     comm.Barrier()
     seconds = time.perf_counter() - t0
+
+    def float16_sum():
+        x = np.arange(1000, dtype=np.float16) + comm.rank
+        C.icast_allreduce(comm, x).wait()
+        want = np.arange(1000) * comm.size + sum(range(comm.size))
+        np.testing.assert_array_equal(x, want.astype(np.float16))
+    checks.run("float16 sum", float16_sum)
+    one_node = C.one_node(comm)
     if comm.rank == 0:
-        print(json.dumps({"namespaces": names, "seconds": seconds}))
+        print(json.dumps({"namespaces": names, "seconds": seconds, "one_node": one_node}))
     checks.finish()
 
 
