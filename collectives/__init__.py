@@ -2,7 +2,7 @@
 merged allreduce, and their alpha-beta cost model. No globals, nothing happens at import."""
 from .cost import (AlphaBeta, Calibration, calibrate, gtopk_allreduce_s, ring_allreduce_s,
                    time_collective, topk_allgather_s)
-from .dense import allreduce, iallreduce, icast_allreduce, one_node
+from .dense import allreduce, iallreduce, icast_allreduce
 from .errors import HvcommError, check_agree, raise_together
 from .handle import Pending
 from .merged import BucketPlan, imerged_allreduce, merged_allreduce
@@ -13,6 +13,6 @@ __all__ = [
     "AlphaBeta", "BucketPlan", "Calibration", "HvcommError", "Pending", "SparseResult",
     "allreduce", "calibrate", "check_agree", "gtopk_allreduce", "gtopk_allreduce_s",
     "iallreduce", "igtopk_allreduce", "icast_allreduce", "imerged_allreduce", "index_dtype", "itopk_allgather",
-    "merge_select", "merged_allreduce", "one_node", "raise_together", "ring_allreduce_s", "select_topk",
+    "merge_select", "merged_allreduce", "raise_together", "ring_allreduce_s", "select_topk",
     "time_collective", "topk_allgather", "topk_allgather_s",
 ]
