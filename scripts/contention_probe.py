@@ -1,5 +1,5 @@
-"""How CPU work beside a large allreduce slows it on this machine: the cause of the replay's
-misses (results/replay_*.md), measured without the replay.
+"""How CPU work beside a large allreduce slows it on this machine: the main cause of the
+replay's misses at P=2 (results/replay_*.md), measured without the replay.
 
 Each rank starts hvcomm's dense allreduce of the whole model (the engine thread, as a
 DistributedOptimizer does) and then, on its main thread, for ``--busy`` seconds:
@@ -10,8 +10,8 @@ DistributedOptimizer does) and then, on its main thread, for ``--busy`` seconds:
 - starts another process that computes (no GIL shared, no MPI).
 The slowest rank's time per repeat, and the TCP counters of every emulated host (from its
 network namespace's /proc/net) summed over the ranks: retransmissions and timeouts would
-mean packet loss; none means the time is lost elsewhere (scheduling of the ranks' MPI
-progress on the shared cores). Writes results/contention_<net>.md.
+mean packet loss; none means the time is lost elsewhere (in how the shared cores are
+scheduled). Writes results/contention_<net>.md.
 
     python scripts/contention_probe.py --net 1gbit --sizes 2 4
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,13 +109,13 @@ def main() -> None:
         res = netem.run_worker(p, [__file__, "--worker", "--elements", str(elements),
                                    "--busy", str(args.busy), "--repeats", str(args.repeats)],
                                timeout=1800, out=tmp / f"{p}.json", net=net)
-        alone = sorted(res["rows"][0]["times_s"])[len(res["rows"][0]["times_s"]) // 2]
+        alone = statistics.median(res["rows"][0]["times_s"])
         for r in res["rows"]:
-            t = sorted(r["times_s"])
+            t, median = r["times_s"], statistics.median(r["times_s"])
             rows.append({"P": p, "beside the allreduce": r["case"],
-                         "median ms": round(t[len(t) // 2] * 1e3),
-                         "min ms": round(t[0] * 1e3), "max ms": round(t[-1] * 1e3),
-                         "median / alone": round(t[len(t) // 2] / alone, 2),
+                         "median ms": round(median * 1e3),
+                         "min ms": round(min(t) * 1e3), "max ms": round(max(t) * 1e3),
+                         "median / alone": round(median / alone, 2),
                          "each repeat ms": " ".join(f"{x * 1e3:.0f}" for x in r["times_s"]),
                          **{k.split(":")[1]: r[k] for k in TCP_COUNTERS}})
         print(report.table(rows[-len(CASES):]), flush=True)
