@@ -59,8 +59,9 @@ class Calibration:
         return self.a_s + self.b_s_per_byte * nbytes
 
 
-def time_collective(comm: MPI.Comm, fn, repeats: int) -> float:
-    """Median over ``repeats`` of the slowest rank's time of ``fn()`` (after one warm-up)."""
+def slowest_times(comm: MPI.Comm, fn, repeats: int) -> np.ndarray:
+    """The slowest rank's time of ``fn()`` in each of ``repeats`` calls, each started after
+    a barrier (one untimed call first)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -70,7 +71,12 @@ def time_collective(comm: MPI.Comm, fn, repeats: int) -> float:
         times.append(time.perf_counter() - t0)
     slowest = np.empty(repeats)
     comm.Allreduce(np.array(times), slowest, op=MPI.MAX)
-    return float(np.median(slowest))
+    return slowest
+
+
+def time_collective(comm: MPI.Comm, fn, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's time of ``fn()`` (after one warm-up)."""
+    return float(np.median(slowest_times(comm, fn, repeats)))
 
 
 def calibrate(comm: MPI.Comm, sizes_bytes: Sequence[int] = (4 << 10, 64 << 10, 1 << 20, 4 << 20),

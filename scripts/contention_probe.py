@@ -50,6 +50,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import hvcomm.torch as hvd
+    from collectives import slowest_times
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -71,15 +72,10 @@ def worker(args) -> None:
             subprocess.run(burner, check=True)
         hvd.synchronize(handle)
 
-    hvd.allreduce_(grads, op=hvd.Sum)  # warm-up: connections opened
     rows = []
-    for case in CASES:
-        before, times = tcp_counters(), []
-        for _ in range(args.repeats):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            beside(case)
-            times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    for case in CASES:  # each with one untimed call first
+        before = tcp_counters()
+        times = slowest_times(comm, lambda: beside(case), args.repeats).tolist()
         after = tcp_counters()
         lost = {k: comm.allreduce(after.get(k, 0) - before.get(k, 0)) for k in TCP_COUNTERS}
         rows.append({"case": case, "times_s": times, **lost})
@@ -124,9 +120,10 @@ def main() -> None:
         report.setting(network=label, allreduce=f"hvcomm's dense allreduce (engine thread, "
                        f"Open MPI ring) of {elements:,} float32 ({args.trace}'s gradients)",
                        beside=f"{args.busy} s on each rank's main thread, started with the "
-                              "allreduce", repeats=f"{args.repeats}, the slowest rank's time each",
+                              "allreduce", repeats=f"{args.repeats} after one untimed, the slowest rank's time "
+                                      "each",
                        tcp="retransmitted segments, timeouts and loss probes, summed over the "
-                           "ranks' network namespaces over all repeats of a case"),
+                           "ranks' network namespaces over a case's untimed call and repeats"),
         report.table(rows) + "\n")
     print(f"written to {path.relative_to(report.ROOT)}")
 
