@@ -1,57 +1,7 @@
-"""Which method to use: every method's predicted throughput and scaling efficiency for a model
-on a cluster, best first (hvcomm.simulate; no MPI, no GPU needed).
-
-    python -m hvcomm.advise --model resnet50 --gpu v100 --workers 64 --net 10gbit
-    python -m hvcomm.advise --trace my_trace.json --workers 16 --net 1gbit --density 0.01
-"""
-from __future__ import annotations
-
-import argparse
+"""``python -m hvcomm.advise``: the advisor (:mod:`hvcomm.sim.advise`) under its short name."""
 import sys
-from pathlib import Path
 
-from collectives.errors import HvcommError
-
-from . import report, simulate
-
-
-def load(args) -> simulate.LayerTrace:
-    if args.trace:
-        return simulate.LayerTrace.load(args.trace)
-    if not (args.model and args.gpu):
-        raise HvcommError("give --trace FILE, or --model and --gpu")
-    return simulate.LayerTrace.named(f"{args.model}-{args.gpu}")
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", help="a trace file (JSON, as in hvcomm/traces/)")
-    ap.add_argument("--model", help="resnet20, resnet50, vgg16, bert-base")
-    ap.add_argument("--gpu", help="p102-100, v100, a100")
-    ap.add_argument("--workers", type=int, required=True)
-    ap.add_argument("--net", default="10gbit", help=", ".join(sorted(simulate.NETWORKS)))
-    ap.add_argument("--density", type=float, default=0.001, help="Top-k and gTop-k density")
-    args = ap.parse_args(argv)
-    try:
-        trace = load(args)
-        net = simulate.network(args.net)
-        ranked = simulate.compare(trace, args.workers, net, args.density)
-    except HvcommError as e:
-        print(f"advise: {e}", file=sys.stderr)
-        return 2
-    print(f"{trace.model}: {trace.params / 1e6:.1f}M parameters, batch {trace.batch} per "
-          f"worker, {trace.compute_s * 1e3:.1f} ms of computation per iteration "
-          f"({Path(args.trace).name if args.trace else args.gpu}); {args.workers} workers, "
-          f"{net.name} (alpha {net.alpha_s * 1e6:.0f} us); density {args.density}")
-    print(report.table([{"method": r.method, "iteration ms": round(r.iteration_s * 1e3, 1),
-                         "samples/s": round(r.throughput),
-                         "scaling efficiency": round(r.efficiency, 3)} for r in ranked]))
-    print("Predictions of the alpha-beta model (hvcomm.simulate). The sparse (topk, gtopk) and "
-          "delayed (od/ssd/cd-sgd) methods change convergence, which this does not model; P3 "
-          "here is hvcomm's, on allreduce (one ring per slice), not the parameter server of "
-          "its paper.")
-    return 0
-
+from hvcomm.sim.advise import main
 
 if __name__ == "__main__":
     sys.exit(main())

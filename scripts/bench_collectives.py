@@ -14,7 +14,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from hvcomm import netem, report
+from hvcomm.cluster import netem
+
+import report
 
 
 def worker(args) -> None:
@@ -82,17 +84,17 @@ def main() -> None:
     ap.add_argument("--density", type=float, nargs="*", default=[0.01, 0.001])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--name", help="results/<name>.md (default: collectives_<net>)")
-    netem.add_net_option(ap)
+    report.add_net_option(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    net, label = netem.resolve_net(args.net)
+    net, label = report.resolve_net(args.net)
     rows, fits, tmp = [], [], Path(tempfile.mkdtemp(prefix="hvcomm-coll-"))
     for p in args.sizes:
         argv = [__file__, "--worker", "--repeats", str(args.repeats), "--d", *map(str, args.d),
                 "--density", *map(str, args.density)]
-        res = netem.run_worker(p, argv, timeout=1800, out=tmp / f"{p}.json",
+        res = report.run_worker(p, argv, timeout=1800, out=tmp / f"{p}.json",
                                 net=net)
         rows += res["rows"]
         fits.append(f"P={p}: alpha = {res['alpha_s'] * 1e6:.1f} us, "

@@ -11,7 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import netem, report
+from hvcomm.cluster import netem
+
+import report
 
 WIDTH, LAYERS = 1600, 10  # 10 x (1600*1600 + 1600) = 25.6M parameters, 102 MB of float32
 
@@ -66,16 +68,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out")
-    netem.add_net_option(ap)
+    report.add_net_option(ap)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    net, label = netem.resolve_net(args.net)
+    net, label = report.resolve_net(args.net)
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-dense-"))
     for p in args.sizes:
         res = {}
         for fw in ("hvcomm", "horovod"):
-            res[fw] = netem.run_worker(p, [__file__, "--worker", "--framework", fw,
+            res[fw] = report.run_worker(p, [__file__, "--worker", "--framework", fw,
                                             "--batch", str(args.batch), "--warmup",
                                             str(args.warmup), "--iters", str(args.iters)],
                                         timeout=900, out=tmp / f"{fw}-{p}.json", net=net)

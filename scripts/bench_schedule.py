@@ -12,7 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import netem, report
+from hvcomm.cluster import netem
+
+import report
 
 SCHEDULES = ("wfbp", "single", "threshold", "merge_rule", "mgwfbp", "p3", "p3:1000000")
 
@@ -20,7 +22,7 @@ SCHEDULES = ("wfbp", "single", "threshold", "merge_rule", "mgwfbp", "p3", "p3:10
 def build_model(name: str):
     from torch import nn
 
-    from hvcomm.models import cifar_resnet
+    from hvcomm.sim.models import cifar_resnet
 
     if name.startswith("resnet"):  # CIFAR ResNet-(6n+2)
         return cifar_resnet(int(name[6:]))
@@ -110,10 +112,10 @@ def main() -> None:
         return worker(args)
     rows, labels, tmp = [], [], Path(tempfile.mkdtemp(prefix="hvcomm-sched-"))
     for net_arg in args.nets:
-        net, label = netem.resolve_net(net_arg)
+        net, label = report.resolve_net(net_arg)
         labels.append(label)
         for model in args.models:
-            res = netem.run_worker(args.n, [
+            res = report.run_worker(args.n, [
                 __file__, "--worker", "--model", model, "--batch", str(args.batch),
                 "--warmup", str(args.warmup), "--iters", str(args.iters), "--repeats",
                 str(args.repeats), "--schedules", *args.schedules],

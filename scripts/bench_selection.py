@@ -8,8 +8,8 @@ import time
 import numpy as np
 import torch
 
-from hvcomm import report
-from hvcomm.torch.selection import SampledTopk, exact_topk, recall
+import report
+from hvcomm.torch.methods.selection import SampledTopk, exact_topk, recall
 
 
 def best_of(fn, repeats: int) -> float:

@@ -26,7 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import netem, report, simulate
+from hvcomm.cluster import netem
+
+from hvcomm.sim import simulate
+
+import report
 
 CASES = ("alone", "main thread sleeps", "main thread computes", "another process computes")
 TCP_COUNTERS = ("Tcp:RetransSegs", "TcpExt:TCPTimeouts", "TcpExt:TCPLossProbes")
@@ -92,17 +96,17 @@ def main() -> None:
     ap.add_argument("--busy", type=float, default=0.3, help="seconds of work beside it")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--elements", type=int, help=argparse.SUPPRESS)  # set by the driver
-    netem.add_net_option(ap)
+    report.add_net_option(ap)
     ap.set_defaults(net="1gbit")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    net, label = netem.resolve_net(args.net)
+    net, label = report.resolve_net(args.net)
     elements = simulate.LayerTrace.named(args.trace).params
     tmp, rows = Path(tempfile.mkdtemp(prefix="hvcomm-contention-")), []
     for p in args.sizes:
-        res = netem.run_worker(p, [__file__, "--worker", "--elements", str(elements),
+        res = report.run_worker(p, [__file__, "--worker", "--elements", str(elements),
                                    "--busy", str(args.busy), "--repeats", str(args.repeats)],
                                timeout=1800, out=tmp / f"{p}.json", net=net)
         alone = statistics.median(res["rows"][0]["times_s"])

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from hvcomm import report
+import report
 
 
 def start_load(cores: int) -> tuple[list, str]:

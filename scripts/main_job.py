@@ -11,7 +11,9 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
-from hvcomm import netem, report
+from hvcomm.cluster import netem
+
+import report
 
 SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
 
@@ -58,7 +60,7 @@ def run_methods(args, methods, net, label):
     results, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-main-"))
     for m in methods:
         print(f"== {m}: {args.ranks} ranks, {label}", flush=True)
-        results.append(netem.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
+        results.append(report.run_worker(args.ranks, [str(SCRIPT), "--method", m, "--epochs",
                                                       str(args.epochs), "--batch",
                                                       str(args.batch), "--delay-warmup",
                                                       str(args.delay_warmup)], timeout=1800,
@@ -132,9 +134,9 @@ def main() -> None:
                     help="run everything a second time (results/<name>_repeat.md) and compare "
                          "the two runs' accuracies and final weights "
                          "(results/<name>_reproducibility.md)")
-    netem.add_net_option(ap)
+    report.add_net_option(ap)
     args = ap.parse_args()
-    net, label = netem.resolve_net(args.net)
+    net, label = report.resolve_net(args.net)
     methods = args.methods or methods_available()
     runs = [run_methods(args, methods, net, label) for _ in range(2 if args.repeat else 1)]
     write_report(args.name, args, label, runs[0])

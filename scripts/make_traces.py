@@ -1,9 +1,9 @@
-"""Write the per-layer traces of hvcomm/traces/: each model's layers (hvcomm.models, built here)
+"""Write the per-layer traces of hvcomm/sim/traces/: each model's layers (hvcomm.sim.models, built here)
 timed for a named GPU from their FLOPs and a stated sustained throughput, or measured on this
-machine's CPU (hvcomm.models.measured_profile, with hvcomm's gradient-ready profiler).
+machine's CPU (hvcomm.sim.models.measured_profile, with hvcomm's gradient-ready profiler).
 
     python scripts/make_traces.py                      # every model for every GPU below
-    python scripts/make_traces.py --measure resnet20   # hvcomm/traces/resnet20-cpu.json
+    python scripts/make_traces.py --measure resnet20   # hvcomm/sim/traces/resnet20-cpu.json
 
 A layer's forward time is its FLOPs times the batch over the GPU's sustained FLOP/s; its
 backward time twice that (input and weight gradients, the usual estimate); the update reads
@@ -16,9 +16,9 @@ import json
 
 import torch
 
-from hvcomm import report
-from hvcomm.models import MODELS, layer_profile, measured_profile
-from hvcomm.simulate import TRACES
+import report
+from hvcomm.sim.models import MODELS, layer_profile, measured_profile
+from hvcomm.sim.simulate import TRACES
 
 # peak float32 FLOP/s and memory bandwidth from the vendors' datasheets; the sustained
 # fraction of peak is an assumption (cuDNN reaches 40-60% of fp32 peak on these layers)
@@ -45,7 +45,7 @@ def trace(model: str, gpu: str) -> dict:
         "update_s": 16 * params / spec["memory_b_s"],
         "source": (f"estimated for {spec['note']}; sustained {SUSTAINED:.0%} of peak (assumed); "
                    f"forward = FLOPs x batch {batch} / sustained; backward = 2 x forward; "
-                   "FLOPs from hvcomm.models.layer_profile (scripts/make_traces.py)"),
+                   "FLOPs from hvcomm.sim.models.layer_profile (scripts/make_traces.py)"),
         "layers": [{"name": l["name"], "shapes": l["shapes"], "params": l["params"],
                     "forward_flops": l["forward_flops"],
                     "forward_s": l["forward_flops"] * batch / flop_s,
@@ -60,7 +60,7 @@ def measured(model: str, batch: int, steps: int) -> dict:
             "source": (f"measured on this machine ({report.setting()['machine']}, torch "
                        f"{torch.__version__} with {torch.get_num_threads()} threads, commit "
                        f"{report.commit()}) by "
-                       f"hvcomm.models.measured_profile: median of {steps} steps at batch "
+                       f"hvcomm.sim.models.measured_profile: median of {steps} steps at batch "
                        f"{batch} (scripts/make_traces.py --measure)"),
             "layers": profile["layers"]}
 

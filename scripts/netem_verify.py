@@ -10,8 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import report
-from hvcomm.netem import EmulatedCluster, parse_rate_bit_s
+import report
+from hvcomm.cluster.netem import EmulatedCluster, parse_rate_bit_s
 
 
 def worker(args) -> None:

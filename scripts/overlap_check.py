@@ -16,7 +16,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hvcomm import netem, report
+from hvcomm.cluster import netem
+
+import report
 
 SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
 
@@ -45,14 +47,14 @@ def main() -> None:
     ap.add_argument("--delay-warmup", type=int, default=10)
     ap.add_argument("--name", default="overlap_p2_1gbit")
     args = ap.parse_args()
-    net, label = netem.resolve_net(args.net)
+    net, label = report.resolve_net(args.net)
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-overlap-"))
     for batch in args.batches:
         for method in ("hvcomm-dense", "od-sgd"):
             tl = tmp / f"{method}-{batch}" / "t.json"
             tl.parent.mkdir()
             os.environ["HVCOMM_TIMELINE"] = str(tl)
-            res = netem.run_worker(args.ranks, [
+            res = report.run_worker(args.ranks, [
                 str(SCRIPT), "--method", method, "--epochs", str(args.epochs), "--batch",
                 str(batch), "--delay-warmup", str(args.delay_warmup)],
                 timeout=900, out=tmp / f"{method}-{batch}.json", net=net)

@@ -1,5 +1,5 @@
-"""Replay a traced model through hvcomm's real DistributedOptimizer (hvcomm.replay) and set
-each method's measured iteration time beside hvcomm.simulate's prediction.
+"""Replay a traced model through hvcomm's real DistributedOptimizer (hvcomm.sim.replay) and set
+each method's measured iteration time beside hvcomm.sim.simulate's prediction.
 
     python scripts/replay.py --trace resnet50-v100 --sizes 2 4 8 --net 1gbit
     python scripts/replay.py --trace resnet20-v100 --sizes 2 --methods wfbp gtopk --steps 5
@@ -22,10 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import netem, report, simulate
+from hvcomm.cluster import netem
+
+from hvcomm.sim import simulate
+
+import report
 
 METHODS = simulate.METHODS
-PREDICTION = ("hvcomm.simulate with alpha and beta measured in the same mpirun (alpha: an "
+PREDICTION = ("hvcomm.sim.simulate with alpha and beta measured in the same mpirun (alpha: an "
               "allreduce of one float, over 2(P-1); beta: an allreduce of the whole model's "
               "gradients, less its alphas, over 2(P-1)/P of its bytes), each method's local "
               "cost from the P ranks alone, and this machine's merge/sum costs "
@@ -95,7 +99,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import hvcomm.torch as hvd
-    from hvcomm.replay import ReplayModel
+    from hvcomm.sim.replay import ReplayModel
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -126,7 +130,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--alone", action="store_true",
                     help="worker: each rank replays on a one-rank communicator")
-    ap.add_argument("--trace", default="resnet50-v100", help="a name in hvcomm/traces or a file")
+    ap.add_argument("--trace", default="resnet50-v100", help="a name in hvcomm/sim/traces or a file")
     ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--density", type=float, default=0.001)
@@ -134,7 +138,7 @@ def main() -> None:
                     help="untimed steps first (the schedules profile in them; mgwfbp gets "
                          f"{RACE_STEPS} more for its race)")
     ap.add_argument("--steps", type=int, default=10)
-    netem.add_net_option(ap)
+    report.add_net_option(ap)
     ap.add_argument("--out")
     ap.add_argument("--replot", metavar="JSON",
                     help="only redraw the plot of a recorded replay (results/replay_*.json)")
@@ -146,7 +150,7 @@ def main() -> None:
         return plot(data["rows"], f"{data['trace']}, {data['network']}",
                     Path(args.replot).with_suffix(".png"))
     trace = simulate.LayerTrace.named(args.trace)
-    net, label = netem.resolve_net(args.net)
+    net, label = report.resolve_net(args.net)
     tmp, rows, local_rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), [], []
     argv = [__file__, "--worker", "--trace", args.trace, "--density", str(args.density),
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--methods"]
@@ -156,12 +160,12 @@ def main() -> None:
             # P ranks alone first, together on this machine's cores: the method's cost beyond
             # the trace (selection, error feedback, hooks, copies, update) when P ranks share
             # the cores
-            alone = netem.run_worker(p, argv + [method, "--alone"], timeout=3600,
+            alone = report.run_worker(p, argv + [method, "--alone"], timeout=3600,
                                      out=tmp / f"{p}-{method}-alone.json")["rows"][method]
             local = max(alone - trace.compute_s, 0.0)
             local_rows.append({"P": p, "method": method, "alone ms": round(alone * 1e3, 1),
                                "local ms (beyond the trace)": round(local * 1e3, 1)})
-            res = netem.run_worker(p, argv + [method], timeout=3600,
+            res = report.run_worker(p, argv + [method], timeout=3600,
                                    out=tmp / f"{p}-{method}.json", net=net)
             fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"])
             measured = res["rows"][method]
@@ -201,7 +205,7 @@ def plot(rows, title: str, path: Path) -> None:
     for p, marker in shapes.items():
         ax.scatter([], [], facecolors="none", edgecolors="k", marker=marker, label=f"P={p}")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), title=title,
-           xlabel="measured ms per iteration (replay)", ylabel="predicted ms (hvcomm.simulate)")
+           xlabel="measured ms per iteration (replay)", ylabel="predicted ms (hvcomm.sim.simulate)")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()

@@ -1,4 +1,4 @@
-"""Scaling efficiency from 4 to 2048 workers, predicted by hvcomm.simulate, for ResNet-50 and
+"""Scaling efficiency from 4 to 2048 workers, predicted by hvcomm.sim.simulate, for ResNet-50 and
 VGG-16 on the gTop-k paper's GPU at 1 and 10 Gbit/s: dense S-SGD (WFBP and MG-WFBP), Top-k,
 gTop-k and OD-SGD. Writes results/scale_<model>.md and a plot per model.
 
@@ -10,7 +10,9 @@ import argparse
 import json
 import statistics
 
-from hvcomm import report, simulate
+from hvcomm.sim import simulate
+
+import report
 
 METHODS = ("wfbp", "mgwfbp", "topk", "gtopk", "od-sgd")
 WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -84,12 +86,12 @@ def main() -> None:
         body = (report.table(rows) + f"\n\nPlot: `results/{name}.png`.\n\nThe papers: {PAPERS}\n\n"
                 + replay_error())
         path = report.write(name, f"Predicted scaling efficiency, {model}", report.setting(
-            trace=f"hvcomm/traces/{model}-{args.gpu}.json: {trace.source}",
+            trace=f"hvcomm/sim/traces/{model}-{args.gpu}.json: {trace.source}",
             networks="; ".join(f"{n}: alpha {simulate.NETWORKS[n].alpha_s * 1e6:.0f} us, "
                                f"{simulate.NETWORKS[n].bandwidth_bit_s / 1e9:.0f} Gbit/s"
                                for n in NETS),
             density=str(args.density),
-            compute="sparse methods' local compute: hvcomm.simulate.COMPUTE['gpu'] (assumed)",
+            compute="sparse methods' local compute: hvcomm.sim.simulate.COMPUTE['gpu'] (assumed)",
             efficiency="computation of one worker / predicted iteration time at P"), body)
         print(f"written to {path.relative_to(report.ROOT)}")
 

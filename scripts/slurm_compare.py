@@ -1,8 +1,8 @@
 """The same training run submitted with sbatch to the local Slurm and started by plain mpirun
 on the emulated cluster, at 2 and 4 nodes: throughput, accuracy and final weights side by side.
 
-Brings the local Slurm up and down itself (hvcomm.slurm_local), one node count at a time; the
-plain-mpirun runs use hvcomm.netem's own emulated cluster, with the same per-link rate and one
+Brings the local Slurm up and down itself (hvcomm.cluster.slurm_local), one node count at a time; the
+plain-mpirun runs use hvcomm.cluster.netem's own emulated cluster, with the same per-link rate and one
 rank per node. Writes results/slurm_local.md and the jobs' logs under results/slurm/.
 Needs root, Slurm installed (bash scripts/slurm_local.sh up installs it) and the environment.
 """
@@ -16,7 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm import netem, report, slurm_local
+from hvcomm.cluster import netem, slurm_local
+
+import report
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_digits.py"
@@ -27,7 +29,7 @@ def sbatch(nodes: int, launcher: str, train_args, out_dir: Path) -> dict:
     result = out_dir / f"sbatch-{launcher}-{nodes}.json"
     log = ROOT / "results" / "slurm" / f"hvcomm-eth-{launcher}-{nodes}nodes.out"
     # the emulated nodes share this machine's cores: let idle ranks yield, as every local
-    # run does (hvcomm.launch.mpi_env), not spin as a rank with a node of its own may
+    # run does (hvcomm.cluster.launch.mpi_env), not spin as a rank with a node of its own may
     env = {**slurm_local.slurm_env(), "LAUNCHER": launcher, "OMPI_MCA_mpi_yield_when_idle": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(["sbatch", "--wait", f"--nodes={nodes}", "--ntasks-per-node=1",
@@ -44,7 +46,7 @@ def sbatch(nodes: int, launcher: str, train_args, out_dir: Path) -> dict:
 
 def plain_mpirun(nodes: int, rate: str, train_args, out_dir: Path) -> dict:
     t0 = time.perf_counter()
-    res = netem.run_worker(nodes, [str(TRAIN), *train_args], timeout=1800,
+    res = report.run_worker(nodes, [str(TRAIN), *train_args], timeout=1800,
                            out=out_dir / f"mpirun-{nodes}.json", net=rate)
     return {**res, "wall": time.perf_counter() - t0, "log": ""}
 
@@ -70,9 +72,9 @@ def main() -> None:
                         for launcher in ("mpirun", "srun")}
             finally:
                 slurm_local.down(quiet=True)
-            runs["plain mpirun (hvcomm.netem)"] = plain_mpirun(nodes, args.rate, train_args,
+            runs["plain mpirun (hvcomm.cluster.netem)"] = plain_mpirun(nodes, args.rate, train_args,
                                                                out_dir)
-            base = runs["plain mpirun (hvcomm.netem)"]["throughput"]
+            base = runs["plain mpirun (hvcomm.cluster.netem)"]["throughput"]
             for how, r in runs.items():
                 rows.append({"nodes": nodes, "P": r["ranks"], "launched by": how,
                              "throughput (samples/s)": round(r["throughput"]),
@@ -87,7 +89,7 @@ def main() -> None:
         "slurm_local", "slurm/ethernet.sbatch under a real Slurm, beside plain mpirun",
         report.setting(slurm=subprocess.run(["slurmctld", "-V"], capture_output=True,
                                             text=True).stdout.strip(),
-                       cluster=f"local Slurm (hvcomm.slurm_local): one slurmd per emulated node,"
+                       cluster=f"local Slurm (hvcomm.cluster.slurm_local): one slurmd per emulated node,"
                                f" {args.rate} per link (tc tbf), 1 rank per node; every run "
                                "with OMPI_MCA_mpi_yield_when_idle=1 (the nodes share 2 cores)",
                        run=f"scripts/train_digits.py {' '.join(train_args)}",

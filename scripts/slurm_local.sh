@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real Slurm on this machine, to try the batch scripts: slurmctld, and one slurmd per
 # emulated node (a network namespace with its own hostname behind a shaped link; see
-# hvcomm/netem.py and hvcomm/slurm_local.py).
+# hvcomm/cluster/netem.py and hvcomm/cluster/slurm_local.py).
 #
 #   bash scripts/slurm_local.sh up [--nodes N] [--rate 1gbit]   # default 2 nodes, 1gbit
 #   sbatch --nodes=2 slurm/ethernet.sbatch --method gtopk-0.001 --epochs 5
@@ -35,4 +35,4 @@ if [ "${1:-}" = up ] && ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
 fi
 [ -x "$root/.venv/bin/python" ] || { echo "slurm_local: no environment: run" \
   "bash scripts/setup_env.sh first" >&2; exit 1; }
-exec "$root/.venv/bin/python" -m hvcomm.slurm_local "$@"
+exec "$root/.venv/bin/python" -m hvcomm.cluster.slurm_local "$@"

@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from hvcomm import launch, report
+from hvcomm.cluster import launch
+
+import report
 
 SCENARIO = Path(__file__).resolve().parent.parent / "tests" / "mpi" / "stall_or_fail.py"
 SLEEP_S = 70

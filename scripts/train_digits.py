@@ -16,7 +16,7 @@ import torch
 from sklearn.datasets import load_digits
 
 import hvcomm.torch as hvc
-from hvcomm import report
+import report
 
 HIDDEN = 512
 

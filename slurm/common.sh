@@ -1,5 +1,5 @@
 # Sourced by the batch scripts of this folder: the environment check and the job's header.
-# Needs: LAUNCH_CHECK (arguments of `python -m hvcomm.launch check`), NETWORK (words).
+# Needs: LAUNCH_CHECK (arguments of `python -m hvcomm.cluster.launch check`), NETWORK (words).
 # Sets: PY (the environment's python), TRAIN (the training script and its arguments); exports
 # the thread count and unbuffered output; prints the job's header, and its end on exit.
 
@@ -12,7 +12,7 @@ if [ ! -x "$PY" ]; then
   exit 2
 fi
 # the environment must match the MPI this job launches with (exits 2 with the reason)
-"$PY" -m hvcomm.launch check $LAUNCH_CHECK || exit 2
+"$PY" -m hvcomm.cluster.launch check $LAUNCH_CHECK || exit 2
 
 # the training script (default scripts/train_digits.py) and its arguments
 if [ $# -gt 0 ] && [ "${1%.py}" != "$1" ]; then

@@ -1,4 +1,6 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))                       # mpi_launch
+sys.path.insert(0, str(HERE.parent / "scripts"))    # report: the benchmarks' helpers

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hvcomm import launch
+from hvcomm.cluster import launch
 
 HERE = Path(__file__).resolve().parent
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvcomm import launch, netem
+from hvcomm.cluster import launch, netem
 from mpi_launch import HERE
 
 SCRIPT = str(HERE / "mpi" / "train_resumable.py")

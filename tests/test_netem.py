@@ -4,7 +4,8 @@ import subprocess
 
 import pytest
 
-from hvcomm import netem
+import report
+from hvcomm.cluster import netem
 from mpi_launch import HERE
 
 REASON = netem.unsupported_reason()
@@ -49,7 +50,7 @@ def test_clear_error_without_root(monkeypatch):
     with pytest.raises(netem.NetemUnavailable, match="needs root"):
         with netem.EmulatedCluster(hosts=2):
             pass
-    net, label = netem.resolve_net("1gbit")
+    net, label = report.resolve_net("1gbit")
     assert net == "shm" and "emulation unavailable" in label
 
 

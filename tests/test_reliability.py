@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from hvcomm import launch
+from hvcomm.cluster import launch
 from mpi_launch import HERE
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvcomm import netem, simulate
-from hvcomm.models import layer_profile, measured_profile
-from hvcomm.replay import ReplayModel
+import report
+from hvcomm.sim import simulate
+from hvcomm.sim.models import layer_profile, measured_profile
+from hvcomm.sim.replay import ReplayModel
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = simulate.LayerTrace.load(simulate.TRACES / "resnet20-v100.json")
@@ -35,7 +36,7 @@ def test_replay_model_has_the_traced_shapes_and_takes_at_least_their_time():
 def test_replay_at_two_ranks(alone):
     out = Path(tempfile.mkdtemp(prefix="hvcomm-replay-test-")) / "replay.json"
     methods = ["wfbp", "p3", "gtopk", "od-sgd", "cd-sgd"]
-    res = netem.run_worker(2, [str(ROOT / "scripts" / "replay.py"), "--worker", "--trace",
+    res = report.run_worker(2, [str(ROOT / "scripts" / "replay.py"), "--worker", "--trace",
                                "resnet20-v100", "--methods", *methods, "--warmup", "3",
                                "--steps", "5"] + (["--alone"] if alone else []),
                            timeout=300, out=out)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hvcomm.torch.selection import SampledTopk, exact_topk, recall
+from hvcomm.torch.methods.selection import SampledTopk, exact_topk, recall
 
 
 @pytest.mark.parametrize("n,density", [(200_000, 0.001), (500_000, 0.01), (300_000, 0.1)])

@@ -1,11 +1,11 @@
-"""hvcomm.simulate against cases computed by hand, the shipped traces, and the advisor."""
+"""hvcomm.sim.simulate against cases computed by hand, the shipped traces, and the advisor."""
 import subprocess
 import sys
 
 import pytest
 
 from collectives.errors import HvcommError
-from hvcomm import simulate as S
+from hvcomm.sim import simulate as S
 
 NET = S.Network("test", 10e-6, 1e9)          # alpha 10 us, beta 8 ns per byte
 FREE = S.ComputeCost(0.0, 0.0, 0.0)          # communication only
@@ -111,7 +111,7 @@ def test_shipped_traces_load():
 
 
 def test_advisor_ranks_best_first():
-    proc = subprocess.run([sys.executable, "-m", "hvcomm.advise", "--model", "vgg16", "--gpu",
+    proc = subprocess.run([sys.executable, "-m", "hvcomm.sim.advise", "--model", "vgg16", "--gpu",
                            "v100", "--workers", "32", "--net", "1gbit"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -119,7 +119,7 @@ def test_advisor_ranks_best_first():
             if line.startswith("| ") and "method" not in line]
     times = [float(r[1]) for r in rows]
     assert len(rows) == len(S.METHODS) and times == sorted(times), proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "hvcomm.advise", "--model", "vgg16", "--gpu",
+    bad = subprocess.run([sys.executable, "-m", "hvcomm.sim.advise", "--model", "vgg16", "--gpu",
                           "h900", "--workers", "4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "available" in bad.stderr, bad.stderr
 

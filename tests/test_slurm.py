@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hvcomm import netem, slurm_local
+from hvcomm.cluster import netem, slurm_local
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = ["bash", str(ROOT / "scripts" / "slurm_local.sh")]

@@ -3,8 +3,8 @@ from collectives.errors import HvcommError
 
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
                        grouped_allreduce, grouped_reducescatter, reducescatter)
-from .compression import Compression, Compressor
-from .delayed import Delay
+from .methods.compression import Compression, Compressor
+from .methods.delayed import Delay
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .gather_ops import (allgather_async, allgather_object, alltoall_async, barrier,
                          broadcast_, broadcast_async, broadcast_async_, broadcast_object,

@@ -1,5 +1,5 @@
 """DistributedOptimizer: Horovod's drop-in, a thin layer of gradient hooks over one
-synchronisation strategy (see :mod:`hvcomm.torch.strategy`)."""
+synchronisation strategy (see :mod:`hvcomm.torch.methods.strategy`)."""
 from __future__ import annotations
 
 import functools
@@ -12,13 +12,13 @@ import torch
 from collectives.errors import HvcommError, raise_together
 
 from . import timeline
-from .compression import Compression, Compressor
-from .delayed import Delayed
+from .methods.compression import Compression, Compressor
+from .methods.delayed import Delayed
 from .ops import Average
 from .options import Options, agree_on_parameters, averaging_comm, make_strategy
 from .process_sets import ProcessSet
 from .runtime import runtime
-from .schedule import ScheduledPlans
+from .methods.schedule import ScheduledPlans
 
 
 def _base_step(opt: torch.optim.Optimizer, closure=None):
@@ -199,12 +199,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     ``schedule`` plans the buckets from a profile of the first iterations: "mgwfbp",
     "merge_rule", "wfbp", "single", "threshold" (see
-    :class:`hvcomm.torch.schedule.ScheduledPlans`), or "p3" (priority slices of
+    :class:`hvcomm.torch.methods.schedule.ScheduledPlans`), or "p3" (priority slices of
     ``slice_elems`` elements; with ``model=`` the update is deferred to each module's next
-    forward; see :mod:`hvcomm.torch.p3`).
+    forward; see :mod:`hvcomm.torch.methods.p3`).
 
     ``delay`` ("od", "ssd", "cd" or a :class:`hvcomm.torch.Delay`) turns on delayed
-    synchronisation (OD-SGD, SSD-SGD with GLU, CD-SGD; see :mod:`hvcomm.torch.delayed`):
+    synchronisation (OD-SGD, SSD-SGD with GLU, CD-SGD; see :mod:`hvcomm.torch.methods.delayed`):
     step() returns before the gradients are averaged, which happens during the next step.
     ``finish_pending()`` brings the model to the global weights (before evaluating);
     ``global_weights()`` returns them; everything is in ``state_dict()``.

@@ -13,16 +13,16 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
-from .buckets import ONE_BUCKET_BYTES, plan_groups
-from .compression import Compressor, NoneCompressor
-from .delayed import Delayed, as_delay
+from .methods.buckets import ONE_BUCKET_BYTES, plan_groups
+from .methods.compression import Compressor, NoneCompressor
+from .methods.delayed import Delayed, as_delay
 from .ops import Adasum, Average, Sum
-from .p3 import P3
+from .methods.p3 import P3
 from .process_sets import ProcessSet, global_process_set
 from .runtime import runtime
-from .schedule import SCHEDULES, ScheduledPlans
-from .strategy import BaseStep, Strategy
-from .sync import Synchronous
+from .methods.schedule import SCHEDULES, ScheduledPlans
+from .methods.strategy import BaseStep, Strategy
+from .methods.sync import Synchronous
 
 
 @dataclass(frozen=True)

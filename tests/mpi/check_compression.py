@@ -12,9 +12,9 @@ from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  #
 
 import hvcomm  # noqa: E402
 import hvcomm.torch as hvd  # noqa: E402
-from hvcomm.torch.buckets import Bucket  # noqa: E402
-from hvcomm.torch.memory import ErrorFeedback  # noqa: E402
-from hvcomm.torch.reducer import Reducer  # noqa: E402
+from hvcomm.torch.methods.buckets import Bucket  # noqa: E402
+from hvcomm.torch.methods.memory import ErrorFeedback  # noqa: E402
+from hvcomm.torch.methods.reducer import Reducer  # noqa: E402
 from hvcomm.torch.runtime import runtime  # noqa: E402
 
 C = hvcomm.Compression

@@ -5,11 +5,12 @@ import json
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 3)[0] + "/scripts")  # report.weights_digest
 from harness import Checks  # noqa: E402
 from train_resumable import METHODS, build, train_step  # noqa: E402
 
 import hvcomm.torch as hvd  # noqa: E402
-from hvcomm import report  # noqa: E402
+import report  # noqa: E402
 
 STEPS = 8
 

@@ -151,7 +151,7 @@ def check_p3_priority_overtakes():
     sent goes next; the order is identical on every rank; the sums are right. Driven without
     thread timing: a and b are handed over by the engine thread itself, right after c's 5th
     slice, so every rank sees them before its 6th choice."""
-    from hvcomm.torch.p3 import P3Round
+    from hvcomm.torch.methods.p3 import P3Round
     from hvcomm.torch.runtime import runtime
     n, r = hvd.size(), hvd.rank()
     grads = [torch.full((k,), float(r + 1), dtype=torch.float64) for k in (40, 30, 4000)]

@@ -15,7 +15,7 @@ from collectives.cost import calibrate
 from collectives.errors import HvcommError
 from hvcomm import planner
 
-from .engine import Engine
+from ..engine import Engine
 
 SCHEDULES = planner.SCHEDULES + ("p3",)
 _COSTS: Dict[int, "tuple[int, planner.Cost]"] = {}  # size -> (largest bytes measured, fit)
@@ -146,7 +146,7 @@ class _Race:
 
 
 class ScheduledPlans:
-    """A planner-driven source of groupings for :class:`hvcomm.torch.sync.Synchronous`.
+    """A planner-driven source of groupings for :class:`hvcomm.torch.methods.sync.Synchronous`.
 
     Profiles the first iterations (1 skipped, then ``profile_steps``) with everything sent in
     one message after backward, fits the communicator's cost, asks the planner for every

@@ -1,8 +1,8 @@
 """Build and run ``mpirun`` command lines for the venv's own Open MPI (no torch import), and
 check, before a batch job starts, that the environment matches the MPI it will launch with:
 
-    python -m hvcomm.launch check --mpirun PATH     # the ranks start under this mpirun
-    python -m hvcomm.launch check --srun            # the ranks start under srun --mpi=pmix
+    python -m hvcomm.cluster.launch check --mpirun PATH     # the ranks start under this mpirun
+    python -m hvcomm.cluster.launch check --srun            # the ranks start under srun --mpi=pmix
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import torch
 
 from collectives.errors import HvcommError
 
-from . import timeline
+from .. import timeline
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
 

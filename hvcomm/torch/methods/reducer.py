@@ -10,9 +10,9 @@ import collectives as C
 
 from .buckets import Bucket
 from .compression import Compressor
-from .engine import Engine, Handle
+from ..engine import Engine, Handle
 from .memory import ErrorFeedback
-from .ops import adasum_, as_numpy, sum_in_place
+from ..ops import adasum_, as_numpy, sum_in_place
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Gradient compressors: Horovod's interface (``compress`` -> payload, ctx; ``decompress``),
 plus the collective each one needs and the residual it leaves for error feedback.
 
-Each compressor is stateless; residuals live in :class:`hvcomm.torch.memory.ErrorFeedback`,
+Each compressor is stateless; residuals live in :class:`hvcomm.torch.methods.memory.ErrorFeedback`,
 the step counter (density warm-up, random-k seeds) in the optimizer.
 """
 from __future__ import annotations

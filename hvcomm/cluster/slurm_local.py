@@ -1,17 +1,17 @@
 """A real Slurm on this machine: slurmctld, and one slurmd per emulated host.
 
-Each host is a network namespace of an :class:`hvcomm.netem.EmulatedCluster` (its own
+Each host is a network namespace of an :class:`hvcomm.cluster.netem.EmulatedCluster` (its own
 hostname, ``nodeN``; its traffic crosses the shaped link), so ``sbatch --nodes=2`` spans hosts
 whose MPI traffic goes over the emulated network. The controller runs in this machine's own
 namespace, reached over one more (unshaped) link into the hosts' bridge. Everything lives in
 198.18.1.0/24 and under ``STATE`` (configuration, logs, spool); ``down`` removes all of it.
 
-    python -m hvcomm.slurm_local up --nodes 4 --rate 1gbit
-    python -m hvcomm.slurm_local status
-    python -m hvcomm.slurm_local down
+    python -m hvcomm.cluster.slurm_local up --nodes 4 --rate 1gbit
+    python -m hvcomm.cluster.slurm_local status
+    python -m hvcomm.cluster.slurm_local down
 
 Needs root, Debian's ``slurm-wlm`` and ``munge`` (``scripts/slurm_local.sh`` installs them),
-and what :mod:`hvcomm.netem` needs. The daemons run as root, with no cgroups (processes are
+and what :mod:`hvcomm.cluster.netem` needs. The daemons run as root, with no cgroups (processes are
 tracked through /proc), so it works inside a container or VM.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ CPUS_PER_NODE = 4                  # what each emulated node offers (they share 
 PROGRAMS = ("slurmctld", "slurmd", "sbatch", "srun", "sinfo", "scontrol", "munged")
 
 CONF = """\
-# Written by hvcomm.slurm_local: {nodes} emulated nodes at {rate} per link.
+# Written by hvcomm.cluster.slurm_local: {nodes} emulated nodes at {rate} per link.
 ClusterName=hvcomm-local
 SlurmctldHost={host}({controller})
 SlurmUser=root

@@ -11,7 +11,6 @@ some kernels lack (then only latency 0 is accepted, and the veth's own ~10 us ap
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from collectives.errors import HvcommError
 
@@ -276,51 +275,6 @@ class EmulatedCluster:
 
 
 _FORWARD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH")
-
-
-def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, net: str = "shm",
-               **kw) -> Any:
-    """Run ``argv --out OUT`` on n ranks and return the JSON that rank 0 wrote to OUT.
-
-    ``net`` is "shm" (one node, shared memory) or a link rate such as "1gbit": then every
-    rank runs on its own emulated host. Raises RuntimeError with the tail
-    of the output if the job fails.
-    """
-    argv = [*argv, "--out", str(out)]
-    if net == "shm":
-        proc = launch.run(n, argv, timeout=timeout, **kw)
-    else:
-        with EmulatedCluster(hosts=n, rate=net) as cluster:
-            proc = cluster.mpirun(argv, timeout=timeout, **kw)
-    if proc.returncode != 0 or not out.exists():
-        tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
-        raise RuntimeError(f"{' '.join(map(str, argv[:1]))} on {n} ranks failed "
-                           f"(exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
-
-
-def add_net_option(parser) -> None:
-    """The ``--net`` option every benchmark takes."""
-    parser.add_argument("--net", default="shm",
-                        help="shm (shared memory, one node) or a per-link rate for an emulated "
-                             "cluster with one host per rank, e.g. 100mbit, 1gbit, 10gbit")
-
-
-def resolve_net(net: str) -> Tuple[str, str]:
-    """Check ``--net`` early; returns (net to run on, label to record with the results).
-
-    Where emulation is impossible here, say so and fall back to shared memory; the label
-    says what really ran."""
-    if net == "shm":
-        return "shm", "shared memory, one node"
-    parse_rate_bit_s(net)
-    reason = unsupported_reason()
-    if reason:
-        print(f"hvcomm: cannot emulate {net} ({reason}); running on shared memory instead",
-              file=sys.stderr)
-        return "shm", f"shared memory, one node (asked for {net}; emulation unavailable: {reason})"
-    return net, (f"emulated cluster: one host (network namespace) per rank, {net} per link "
-                 "(tc tbf both ways) into a bridge, MPI over TCP, Open MPI ring allreduce")
 
 
 def _raise_interrupt(signum, frame):

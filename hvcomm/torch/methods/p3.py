@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import timeline
+from .. import timeline
 from .buckets import CommStats, flat_grad
-from .engine import Engine
-from .ops import as_numpy
+from ..engine import Engine
+from ..ops import as_numpy
 from .strategy import BaseStep, Strategy, in_flight_error
 
 

@@ -213,7 +213,7 @@ def measured_profile(name: str, batch: int, steps: int = 5, seed: int = 0) -> Di
     its last gradient is final and starts where the backward so far had got to (taken in
     reverse forward order, so the times add up to the whole backward). Returns {"layers":
     [{"name", "shapes", "params", "forward_s", "backward_s"}], "update_s"}."""
-    from hvcomm.torch.schedule import Profiler
+    from hvcomm.torch.methods.schedule import Profiler
 
     build, example = MODELS[name]
     torch.manual_seed(seed)

@@ -1,17 +1,17 @@
 """Synchronous bucketed averaging: each bucket goes to the engine as soon as its gradients are
 final (in one fixed order on every rank), dense or compressed, and is waited for in
 ``synchronize()``. Its grouping comes from the fusion threshold, explicit groups, or a
-planner-driven source of plans (:class:`hvcomm.torch.schedule.ScheduledPlans`)."""
+planner-driven source of plans (:class:`hvcomm.torch.methods.schedule.ScheduledPlans`)."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import timeline
+from .. import timeline
 from .buckets import Bucket, CommStats, flat_grad, make_buckets, set_grad, split
 from .compression import Compression, Compressor
-from .engine import Engine
+from ..engine import Engine
 from .memory import ErrorFeedback
 from .reducer import InFlight, Reducer
 from .schedule import ScheduledPlans

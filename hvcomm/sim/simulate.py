@@ -40,7 +40,7 @@ from collectives.cost import (AlphaBeta, gtopk_allreduce_s, ring_allreduce_s,
 from collectives.errors import HvcommError
 from collectives.sparse import ceil_log2
 
-from . import planner
+from .. import planner
 
 DENSE = ("wfbp", "single", "threshold", "mgwfbp")
 DELAYED = ("od-sgd", "ssd-sgd", "cd-sgd")
@@ -93,10 +93,10 @@ class LayerTrace:
 
     @classmethod
     def named(cls, name: str) -> "LayerTrace":
-        """A trace by file path (``*.json``) or by name in hvcomm/traces (``resnet50-v100``)."""
+        """A trace by file path (``*.json``) or by name in hvcomm/sim/traces (``resnet50-v100``)."""
         path = Path(name) if name.endswith(".json") else TRACES / f"{name}.json"
         if not path.exists():
-            raise HvcommError(f"no trace {name!r}; available in hvcomm/traces: "
+            raise HvcommError(f"no trace {name!r}; available in hvcomm/sim/traces: "
                               f"{', '.join(available_traces())} (scripts/make_traces.py adds more)")
         return cls.load(path)
 
@@ -106,7 +106,7 @@ class LayerTrace:
 
     @classmethod
     def from_dict(cls, data: dict) -> "LayerTrace":
-        """A trace from the JSON layout of hvcomm/traces (scripts/make_traces.py)."""
+        """A trace from the JSON layout of hvcomm/sim/traces (scripts/make_traces.py)."""
         layers = tuple(Layer(l["name"], int(l["params"]), float(l["forward_s"]),
                              float(l["backward_s"]),
                              tuple(tuple(int(n) for n in shape) for shape in l.get("shapes", ())))

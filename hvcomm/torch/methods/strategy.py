@@ -3,11 +3,11 @@
 The optimizer is a thin layer: it counts backward passes, checks Horovod's guards, and hands
 each event to one strategy object chosen at construction:
 
-- :class:`hvcomm.torch.sync.Synchronous`: buckets averaged (dense or compressed) as soon as
+- :class:`hvcomm.torch.methods.sync.Synchronous`: buckets averaged (dense or compressed) as soon as
   their gradients are final; its groupings come from the fusion threshold, explicit groups,
-  or a :class:`hvcomm.torch.schedule.ScheduledPlans` (MG-WFBP and the baselines);
-- :class:`hvcomm.torch.p3.P3`: priority slices, per-module deferred updates;
-- :class:`hvcomm.torch.delayed.Delayed`: OD / SSD / CD-SGD around a Synchronous.
+  or a :class:`hvcomm.torch.methods.schedule.ScheduledPlans` (MG-WFBP and the baselines);
+- :class:`hvcomm.torch.methods.p3.P3`: priority slices, per-module deferred updates;
+- :class:`hvcomm.torch.methods.delayed.Delayed`: OD / SSD / CD-SGD around a Synchronous.
 
 Each strategy owns its state and its checkpoint entry (``state_dict()["hvcomm"]``).
 """
