@@ -14,7 +14,6 @@ import json
 import tempfile
 from pathlib import Path
 
-from hvcomm.cluster import netem
 
 import report
 

@@ -11,7 +11,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm.cluster import netem
 
 import report
 

@@ -12,7 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm.cluster import netem
 
 import report
 

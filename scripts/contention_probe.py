@@ -26,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm.cluster import netem
 
 from hvcomm.sim import simulate
 

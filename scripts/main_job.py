@@ -11,7 +11,6 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
-from hvcomm.cluster import netem
 
 import report
 

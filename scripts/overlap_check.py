@@ -16,7 +16,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hvcomm.cluster import netem
 
 import report
 

@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm.cluster import netem
 
 from hvcomm.sim import simulate
 

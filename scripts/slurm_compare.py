@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvcomm.cluster import netem, slurm_local
+from hvcomm.cluster import slurm_local
 
 import report
 
