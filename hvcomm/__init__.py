@@ -7,6 +7,6 @@
 
 def __getattr__(name):
     if name == "Compression":
-        from .torch.methods.compression import Compression
+        from .torch.methods import Compression
         return Compression
     raise AttributeError(f"module 'hvcomm' has no attribute {name!r}")

@@ -8,25 +8,19 @@ allreduce time T(M) = a + b*M of the live communicator. From them:
 - :func:`simulate` predicts, for any grouping, when each bucket's allreduce starts and ends
   (one collective at a time, in launch order, as hvcomm's engine runs them), the
   non-overlapped communication time and the iteration time;
-- :func:`plan_wfbp`, :func:`plan_single`, :func:`plan_threshold` are the baselines (one tensor
-  per message; everything in one message after backward; Horovod/DDP fusion by bytes);
-- :func:`plan_merge_rule` is MG-WFBP's rule (ALGORITHMS.md section 3);
-- :func:`plan_optimal` finds the grouping that minimises the predicted end of communication
-  exactly (dynamic programme over contiguous groups, O(L^2)); hvcomm's ``"mgwfbp"`` schedule
-  uses it, so it is never predicted slower than the merge rule or any baseline.
+- each schedule method's ``plan`` (one module each in :mod:`hvcomm.torch.methods`: wfbp,
+  single, threshold, merge_rule, mgwfbp) chooses a grouping and predicts it with
+  :func:`simulate`.
 
 Groups are contiguous in the observed order and never mix ``keys`` (dtypes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from collectives.errors import HvcommError
 from collectives.merged import BucketPlan
-
-SCHEDULES = ("mgwfbp", "merge_rule", "wfbp", "single", "threshold")
-
 
 @dataclass(frozen=True)
 class Trace:
@@ -132,7 +126,8 @@ def simulate(trace: Trace, plan: BucketPlan, cost: Cost, schedule: str = "") -> 
                       trace.update_s)
 
 
-def _split_by_key(trace: Trace, groups: List[List[int]]) -> BucketPlan:
+def split_by_key(trace: Trace, groups: List[List[int]]) -> BucketPlan:
+    """``groups`` with each cut where the key (dtype) changes: no message mixes dtypes."""
     out: List[Tuple[int, ...]] = []
     for g in groups:
         cur = [g[0]]
@@ -143,90 +138,6 @@ def _split_by_key(trace: Trace, groups: List[List[int]]) -> BucketPlan:
             cur.append(i)
         out.append(tuple(cur))
     return BucketPlan(tuple(out))
-
-
-def plan_wfbp(trace: Trace, cost: Cost) -> Prediction:
-    """Wait-free backprop: every gradient its own message, sent as soon as it is ready."""
-    plan = BucketPlan(tuple((i,) for i in range(len(trace.nbytes))))
-    return simulate(trace, plan, cost, "wfbp")
-
-
-def plan_single(trace: Trace, cost: Cost) -> Prediction:
-    """Everything in one message after backward (one per dtype)."""
-    return simulate(trace, _split_by_key(trace, [list(range(len(trace.nbytes)))]), cost,
-                    "single")
-
-
-def plan_threshold(trace: Trace, cost: Cost, threshold_bytes: int) -> Prediction:
-    """Horovod-style fusion / PyTorch DDP buckets: fill in order until threshold_bytes."""
-    plan = BucketPlan.by_threshold(trace.nbytes, threshold_bytes, keys=trace.keys)
-    return simulate(trace, plan, cost, "threshold")
-
-
-def plan_merge_rule(trace: Trace, cost: Cost) -> Prediction:
-    """MG-WFBP's rule: scanning gradients in ready order, merge the next one into the current
-    bucket iff it becomes ready less than the startup time a after the current bucket's
-    allreduce could start (waiting costs less than a second startup)."""
-    groups: List[List[int]] = [[0]]
-    prev_end = 0.0
-    for i in range(1, len(trace.nbytes)):
-        cur = groups[-1]
-        start = max(prev_end, max(trace.ready(j) for j in cur))
-        if trace.ready(i) - start < cost.a_s and trace.key(i) == trace.key(cur[-1]):
-            cur.append(i)
-        else:
-            prev_end = start + cost(sum(trace.nbytes[j] for j in cur))
-            groups.append([i])
-    return simulate(trace, BucketPlan(tuple(tuple(g) for g in groups)), cost, "merge_rule")
-
-
-def plan_optimal(trace: Trace, cost: Cost) -> Prediction:
-    """The contiguous grouping with the earliest predicted end of communication.
-
-    end[j] = min over i of max(end[i], ready(i..j-1)) + T(bytes(i..j-1)): exact, because a
-    bucket's end only grows with the previous bucket's end. Ties go to fewer messages.
-    """
-    n = len(trace.nbytes)
-    ready = [trace.ready(i) for i in range(n)]
-    best: List[Tuple[float, int]] = [(0.0, 0)] + [(float("inf"), 0)] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        nbytes, last_ready = 0, 0.0
-        for i in range(j - 1, -1, -1):  # bucket = positions i..j-1
-            if i < j - 1 and trace.key(i) != trace.key(i + 1):
-                break
-            nbytes += trace.nbytes[i]
-            last_ready = max(last_ready, ready[i])
-            end = max(best[i][0], last_ready) + cost(nbytes)
-            cand = (end, best[i][1] + 1)
-            tie = 1e-12 * end  # relative: one startup of a few picoseconds is not a tie
-            if cand[0] < best[j][0] - tie or (abs(cand[0] - best[j][0]) <= tie
-                                              and cand[1] < best[j][1]):
-                best[j], cut[j] = cand, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(tuple(range(cut[j], j)))
-        j = cut[j]
-    return simulate(trace, BucketPlan(tuple(reversed(groups))), cost, "mgwfbp")
-
-
-def predict(schedule: str, trace: Trace, cost: Cost, threshold_bytes: int = 25 << 20) -> Prediction:
-    """The plan and prediction of one named schedule (see :data:`SCHEDULES`)."""
-    planners: Dict[str, Callable[[], Prediction]] = {
-        "mgwfbp": lambda: plan_optimal(trace, cost),
-        "merge_rule": lambda: plan_merge_rule(trace, cost),
-        "wfbp": lambda: plan_wfbp(trace, cost),
-        "single": lambda: plan_single(trace, cost),
-        "threshold": lambda: plan_threshold(trace, cost, threshold_bytes),
-    }
-    if schedule not in planners:
-        raise HvcommError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES} or 'p3'")
-    return planners[schedule]()
-
-
-def compare(trace: Trace, cost: Cost, threshold_bytes: int = 25 << 20) -> List[Prediction]:
-    """Every schedule's prediction on one trace, in :data:`SCHEDULES` order."""
-    return [predict(s, trace, cost, threshold_bytes) for s in SCHEDULES]
 
 
 def trace_from_layers(backward_s: Sequence[float], nbytes: Sequence[int], forward_s: float = 0.0,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 
 from hvcomm.sim import simulate
+from hvcomm.torch import methods
 
 import report
 
@@ -45,16 +46,18 @@ def optimizer_options(method: str, density: float, hvd, model) -> dict:
         return {"schedule": "p3", "model": model}
     if method == "mgwfbp":
         return {"schedule": method, "trial_steps": TRIAL_STEPS}
-    if method in simulate.DENSE:
+    if methods.get(method).role == "schedule":
         return {"schedule": method}
     if method == "topk":
         return {"compression": hvd.Compression.topk(density, scope="model")}
     if method == "gtopk":
         return {"compression": hvd.Compression.gtopk(density, scope="model")}
     if method == "cd-sgd":
-        return {"delay": hvd.Delay(mode="cd", warmup_steps=2),
+        return {"delay": hvd.Delay(mode=method, warmup_steps=2),
                 "compression": hvd.Compression.twobit(0.5)}
-    return {"delay": hvd.Delay(mode=method.split("-")[0], warmup_steps=2)}
+    if methods.get(method).role == "delay":
+        return {"delay": hvd.Delay(mode=method, warmup_steps=2)}
+    raise SystemExit(f"replay: no configuration for {method!r} yet")
 
 
 def train_step(opt, model) -> None:

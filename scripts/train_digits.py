@@ -72,9 +72,9 @@ METHODS = {
     "twobit-0.5": hvcomm_method(C.twobit(0.5)),
     # delayed synchronisation: --delay-warmup synchronous steps first, local learning rate
     # 4x the global one (as SSD-SGD's runs), k = 5 as the originals
-    "od-sgd": hvcomm_method(delay=dict(mode="od", local_lr=0.2)),
-    "ssd-sgd": hvcomm_method(delay=dict(mode="ssd", local_lr=0.2, k=5)),
-    "cd-sgd": hvcomm_method(C.twobit(0.5), delay=dict(mode="cd", local_lr=0.2, k=5)),
+    "od-sgd": hvcomm_method(delay=dict(mode="od-sgd", local_lr=0.2)),
+    "ssd-sgd": hvcomm_method(delay=dict(mode="ssd-sgd", local_lr=0.2, k=5)),
+    "cd-sgd": hvcomm_method(C.twobit(0.5), delay=dict(mode="cd-sgd", local_lr=0.2, k=5)),
 }
 
 

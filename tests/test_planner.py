@@ -8,27 +8,36 @@ from hypothesis import strategies as st
 from collectives import HvcommError
 from collectives.merged import BucketPlan
 from hvcomm import planner as P
+from hvcomm.torch import methods
+from hvcomm.torch.methods.merge_rule import plan_merge_rule
+from hvcomm.torch.methods.mgwfbp import plan_optimal
+from hvcomm.torch.methods.schedule import PlannedSchedule
+from hvcomm.torch.methods.single import plan_single
+from hvcomm.torch.methods.threshold import plan_threshold
+from hvcomm.torch.methods.wfbp import plan_wfbp
+
+PLANNED = [m for m in methods.REGISTRY.values() if isinstance(m, PlannedSchedule)]
 
 
 def test_latency_dominated_gives_one_bucket():
     # 10 layers ready 1 ms apart, startup 50 ms, bytes nearly free: one message is best
     trace = P.trace_from_layers([1e-3] * 10, [1000] * 10)
     cost = P.Cost(50e-3, 1e-12)
-    for pred in (P.plan_optimal(trace, cost), P.plan_merge_rule(trace, cost)):
+    for pred in (plan_optimal(trace, cost), plan_merge_rule(trace, cost)):
         assert pred.plan.buckets == (tuple(range(10)),), pred.schedule
-    wfbp = P.plan_wfbp(trace, cost)
+    wfbp = plan_wfbp(trace, cost)
     assert wfbp.comm_end_s == pytest.approx(1e-3 + 10 * 50e-3 + 10 * 1000e-12, rel=1e-6)
-    assert P.plan_optimal(trace, cost).comm_end_s < wfbp.comm_end_s / 5
+    assert plan_optimal(trace, cost).comm_end_s < wfbp.comm_end_s / 5
 
 
 def test_bandwidth_dominated_slow_layers_gives_wfbp():
     # each layer's message (5 ms) is sent while the next layer computes (10 ms): no merging
     trace = P.trace_from_layers([10e-3] * 6, [5_000_000] * 6)
     cost = P.Cost(1e-5, 1e-9)
-    for pred in (P.plan_optimal(trace, cost), P.plan_merge_rule(trace, cost)):
+    for pred in (plan_optimal(trace, cost), plan_merge_rule(trace, cost)):
         assert pred.plan.buckets == tuple((i,) for i in range(6)), pred.schedule
         assert pred.non_overlapped_s == pytest.approx(5e-3 + 1e-5)
-    single = P.plan_single(trace, cost)
+    single = plan_single(trace, cost)
     assert single.non_overlapped_s == pytest.approx(1e-5 + 30e-3)
 
 
@@ -46,23 +55,23 @@ def test_prediction_arithmetic():
 def test_unused_gradients_are_ready_at_backward_end():
     trace = P.Trace((0.01, None, 0.03), (10, 10, 10))
     assert trace.backward_end_s == 0.03 and trace.ready(1) == 0.03
-    pred = P.plan_wfbp(trace, P.Cost(0.0, 1e-3))
+    pred = plan_wfbp(trace, P.Cost(0.0, 1e-3))
     assert pred.starts_s == pytest.approx((0.01, 0.03, 0.04))
 
 
 def test_dtypes_never_share_a_bucket():
     trace = P.Trace((0.0, 0.0, 0.0, 0.0), (8, 8, 4, 4), keys=("f64", "f64", "f32", "f32"))
     cost = P.Cost(1.0, 0.0)
-    for schedule in P.SCHEDULES:
-        plan = P.predict(schedule, trace, cost).plan
+    for schedule in PLANNED:
+        plan = schedule.plan(trace, cost, 25 << 20).plan
         for b in plan.buckets:
             assert len({trace.keys[i] for i in b}) == 1, (schedule, plan)
-    assert P.plan_optimal(trace, cost).plan.buckets == ((0, 1), (2, 3))
+    assert plan_optimal(trace, cost).plan.buckets == ((0, 1), (2, 3))
 
 
 def test_threshold_follows_observed_order():
     trace = P.Trace((0.0, 0.1, 0.2, 0.3), (10, 10, 10, 10))
-    assert P.plan_threshold(trace, P.Cost(0, 0), 20).plan.buckets == ((0, 1), (2, 3))
+    assert plan_threshold(trace, P.Cost(0, 0), 20).plan.buckets == ((0, 1), (2, 3))
 
 
 def test_bad_traces_are_refused():
@@ -71,7 +80,7 @@ def test_bad_traces_are_refused():
     with pytest.raises(HvcommError, match=">= 0"):
         P.Trace((-1.0,), (1,))
     with pytest.raises(HvcommError, match="unknown schedule"):
-        P.predict("fastest", P.Trace((0.0,), (1,)), P.Cost(0, 0))
+        methods.get("fastest", "schedule")
 
 
 def _partitions(n):
@@ -93,7 +102,7 @@ def test_optimal_is_the_best_contiguous_grouping(layers, a, b):
     trace = P.trace_from_layers([t for t, _ in layers], [m for _, m in layers])
     cost = P.Cost(a, b)
     best = min(P.simulate(trace, plan, cost).comm_end_s for plan in _partitions(len(layers)))
-    opt = P.plan_optimal(trace, cost)
+    opt = plan_optimal(trace, cost)
     assert opt.comm_end_s == pytest.approx(best, rel=1e-9, abs=1e-12)
-    for other in P.compare(trace, cost, threshold_bytes=1_000_000):
+    for other in (m.plan(trace, cost, 1_000_000) for m in PLANNED):
         assert opt.iteration_s <= other.iteration_s + 1e-12, other.schedule

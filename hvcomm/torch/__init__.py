@@ -1,27 +1,55 @@
-"""hvcomm.torch: a drop-in for ``horovod.torch`` (same names), on mpi4py."""
-from collectives.errors import HvcommError
+"""hvcomm.torch: a drop-in for ``horovod.torch`` (same names), on mpi4py.
 
-from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
-                       grouped_allreduce, grouped_reducescatter, reducescatter)
-from .methods.compression import Compression, Compressor
-from .methods.delayed import Delay
-from .functions import broadcast_optimizer_state, broadcast_parameters
-from .gather_ops import (allgather_async, allgather_object, alltoall_async, barrier,
-                         broadcast_, broadcast_async, broadcast_async_, broadcast_object,
-                         grouped_allgather_async, grouped_reducescatter_async,
-                         reducescatter_async, sparse_allreduce_async)
-from .ops import (Adasum, Average, Max, Min, Product, Sum, allreduce_, allreduce_async,
-                  allreduce_async_, grouped_allreduce_, grouped_allreduce_async,
-                  grouped_allreduce_async_, join, poll, synchronize)
-from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                      gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
-                      mpi_comm, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                      rocm_built, shutdown, size, start_timeline)
-from .sync_batch_norm import SyncBatchNorm
-from .timeline import stop_timeline
+The names load on first use (PEP 562), so that ``hvcomm.torch.methods``, which the simulator
+and the advisor read, imports without an MPI library; ``import hvcomm.torch as hvd`` then
+``hvd.init()`` works as in Horovod.
+"""
+import importlib
 
-HorovodInternalError = HvcommError  # Horovod's name for the error its collectives raise
+_EXPORTS = {
+    ".autograd": ("allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
+                  "grouped_allreduce", "grouped_reducescatter", "reducescatter"),
+    ".methods": ("Compression",),
+    ".methods.base": ("Compressor",),
+    ".methods.delayed": ("Delay",),
+    ".functions": ("broadcast_optimizer_state", "broadcast_parameters"),
+    ".gather_ops": ("allgather_async", "allgather_object", "alltoall_async", "barrier",
+                    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+                    "grouped_allgather_async", "grouped_reducescatter_async",
+                    "reducescatter_async", "sparse_allreduce_async"),
+    ".ops": ("Adasum", "Average", "Max", "Min", "Product", "Sum", "allreduce_",
+             "allreduce_async", "allreduce_async_", "grouped_allreduce_",
+             "grouped_allreduce_async", "grouped_allreduce_async_", "join", "poll",
+             "synchronize"),
+    ".optimizer": ("DistributedOptimizer",),
+    ".process_sets": ("ProcessSet", "add_process_set", "global_process_set",
+                      "remove_process_set"),
+    ".runtime": ("ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+                 "gloo_built", "gloo_enabled", "init", "is_initialized", "local_rank",
+                 "local_size", "mpi_built", "mpi_comm", "mpi_enabled", "mpi_threads_supported",
+                 "nccl_built", "rank", "rocm_built", "shutdown", "size", "start_timeline"),
+    ".sync_batch_norm": ("SyncBatchNorm",),
+    ".timeline": ("stop_timeline",),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_ALIASES = {"HvcommError": ("collectives.errors", "HvcommError"),
+            # Horovod's name for the error its collectives raise
+            "HorovodInternalError": ("collectives.errors", "HvcommError")}
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = sorted([*_MODULE_OF, *_ALIASES])
+
+
+def __getattr__(name):
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+    elif name in _ALIASES:
+        module, attr = _ALIASES[name]
+        value = getattr(importlib.import_module(module), attr)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -55,7 +55,7 @@ class Engine:
         self.current: "Optional[tuple[str, float]]" = None  # (job, since) while one runs
         self.watchdog = None    # a hvcomm.torch.watchdog.Watchdog, attached by init()
         self._problem_at = 0.0
-        self._open_streams = 0  # running jobs that wait for the main thread (a P3 round)
+        self._open_streams: list = []  # what each running job that waits for the main thread is
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="hvcomm-engine", daemon=True)
         self._thread.start()
@@ -102,20 +102,20 @@ class Engine:
             return None
         return peer_error(problem, current[0])
 
-    def open_stream(self) -> None:
-        """A job that waits for the main thread (a P3 round) is submitted."""
-        self._open_streams += 1
+    def open_stream(self, what: str) -> None:
+        """A job that waits for the main thread is submitted; ``what`` says, in an error,
+        what it is and when it closes."""
+        self._open_streams.append(what)
 
     def close_stream(self) -> None:
-        """The main thread has handed that job everything it waits for."""
-        self._open_streams -= 1
+        """The main thread has handed the oldest such job everything it waits for."""
+        self._open_streams.pop(0)
 
     def check_can_wait(self, what: str) -> None:
         """Refuse to block the main thread on a job queued behind one that waits for it."""
         if self._open_streams:
-            raise HvcommError(f"{what}: a DistributedOptimizer(schedule='p3') round is open "
-                              "(after backward, before step()); this collective would wait for "
-                              "it forever. Call it after optimizer.step()")
+            raise HvcommError(f"{what}: {self._open_streams[0]} is open; this collective would "
+                              "wait for it forever. Call it after optimizer.step()")
 
     def submit(self, job: Callable[[Any], Any], name: Optional[str] = None,
                comm: Any = None, detail: Optional[str] = None) -> Handle:

@@ -13,6 +13,7 @@ from collectives.errors import HvcommError
 from collectives.workspace import Workspace
 
 from .engine import Handle
+from .methods.buckets import as_numpy
 from .negotiation import join_loop, negotiate
 from .process_sets import comm_of, global_process_set
 from .runtime import runtime
@@ -23,14 +24,6 @@ _MPI_OPS = {Average: MPI.SUM, Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product:
 _handles: Dict[int, Tuple[Handle, Callable[[Any], Any], Optional[str]]] = {}
 _next_handle = itertools.count(1)
 _names_in_flight: set = set()
-
-
-def as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a contiguous CPU tensor (clear error for what NumPy cannot hold)."""
-    if tensor.dtype == torch.bfloat16:
-        raise HvcommError("bfloat16 tensors cannot be communicated by hvcomm; use float32 "
-                          "(or compression=Compression.fp16)")
-    return tensor.detach().numpy()
 
 
 def as_bits(tensor: torch.Tensor) -> np.ndarray:

@@ -12,13 +12,12 @@ import torch
 from collectives.errors import HvcommError, raise_together
 
 from . import timeline
-from .methods.compression import Compression, Compressor
-from .methods.delayed import Delayed
+from .methods import Compression
+from .methods.base import Compressor
 from .ops import Average
 from .options import Options, agree_on_parameters, averaging_comm, make_strategy
 from .process_sets import ProcessSet
 from .runtime import runtime
-from .methods.schedule import ScheduledPlans
 
 
 def _base_step(opt: torch.optim.Optimizer, closure=None):
@@ -66,11 +65,12 @@ class _DistributedMixin:
         """The buckets in use, as parameter names, in launch order (read-only view)."""
         return self._strategy.plan
 
-    def _plans(self) -> Optional[ScheduledPlans]:
+    def _plans(self):
+        """The strategy's ScheduledPlans where a schedule plans the grouping, else None."""
         return self._strategy.plans
 
-    # schedule=: every schedule's prediction; the one in use; "mgwfbp": each raced plan's
-    # best measured iteration (s), and which one was kept
+    # schedule=: every schedule's prediction; the one in use; a schedule that races plans:
+    # each raced plan's best measured iteration (s), and which one was kept
     schedule_report = property(lambda self: self._plans().schedule_report
                                if self._plans() else [])
     plan_prediction = property(lambda self: self._plans().plan_prediction
@@ -145,8 +145,6 @@ class _DistributedMixin:
 
     def global_weights(self) -> Dict[str, torch.Tensor]:
         """Delayed modes: the global weights W by parameter name (identical on every rank)."""
-        if not isinstance(self._strategy, Delayed):
-            raise HvcommError("global_weights() is for delay=... optimizers")
         return self._strategy.global_weights()
 
     def state_dict(self) -> Dict[str, Any]:
@@ -197,14 +195,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     sharing its state and param_groups. Collective: every rank must call it; bad arguments
     or models that differ between ranks raise on every rank.
 
-    ``schedule`` plans the buckets from a profile of the first iterations: "mgwfbp",
-    "merge_rule", "wfbp", "single", "threshold" (see
-    :class:`hvcomm.torch.methods.schedule.ScheduledPlans`), or "p3" (priority slices of
-    ``slice_elems`` elements; with ``model=`` the update is deferred to each module's next
-    forward; see :mod:`hvcomm.torch.methods.p3`).
+    ``schedule`` names a schedule method (``hvcomm.torch.methods.names("schedule")``): the
+    planned ones ("mgwfbp", "merge_rule", "wfbp", "single", "threshold") plan the buckets
+    from a profile of the first iterations (see
+    :class:`hvcomm.torch.methods.schedule.ScheduledPlans`); "p3" sends priority slices of
+    ``slice_elems`` elements, and with ``model=`` defers the update to each module's next
+    forward (see :mod:`hvcomm.torch.methods.p3`).
 
-    ``delay`` ("od", "ssd", "cd" or a :class:`hvcomm.torch.Delay`) turns on delayed
-    synchronisation (OD-SGD, SSD-SGD with GLU, CD-SGD; see :mod:`hvcomm.torch.methods.delayed`):
+    ``delay`` (a delay method's name, "od-sgd", "ssd-sgd", "cd-sgd", or a
+    :class:`hvcomm.torch.Delay`) turns on delayed synchronisation (see
+    :mod:`hvcomm.torch.methods.delayed`):
     step() returns before the gradients are averaged, which happens during the next step.
     ``finish_pending()`` brings the model to the global weights (before evaluating);
     ``global_weights()`` returns them; everything is in ``state_dict()``.

@@ -13,16 +13,15 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
+from . import methods
+from .methods.base import Compressor
 from .methods.buckets import ONE_BUCKET_BYTES, plan_groups
-from .methods.compression import Compressor, NoneCompressor
 from .methods.delayed import Delayed, as_delay
+from .methods.strategy import BaseStep, Strategy
+from .methods.sync import Setup
 from .ops import Adasum, Average, Sum
-from .methods.p3 import P3
 from .process_sets import ProcessSet, global_process_set
 from .runtime import runtime
-from .methods.schedule import SCHEDULES, ScheduledPlans
-from .methods.strategy import BaseStep, Strategy
-from .methods.sync import Synchronous
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
         return f"backward_passes_per_step must be a positive integer, got {bpps!r}"
     if o.op not in (Average, Sum, Adasum):
         return f"op must be hvcomm.torch.Average, Sum or Adasum for gradients, got {o.op!r}"
-    if o.op == Adasum and (type(compression) is not NoneCompressor or o.schedule or o.delay):
+    if o.op == Adasum and (not _sends_as_is(compression) or o.schedule or o.delay):
         return ("op=Adasum combines the uncompressed gradients: use it without compression=, "
                 "schedule= and delay=")
     if o.gradient_predivide_factor != 1.0 and o.op != Average:
@@ -138,37 +137,23 @@ def _names_problem(named, optimizer) -> Optional[str]:
     return None
 
 
+def _sends_as_is(compression) -> bool:
+    return getattr(compression, "sends_as_is", False)
+
+
 def _schedule_problem(o: Options, params) -> Optional[str]:
-    schedule, model = o.schedule, o.model
-    if schedule is None:
-        return "model= is used by schedule='p3' only" if model is not None else None
-    if schedule not in SCHEDULES:
-        return f"schedule must be one of {SCHEDULES} (or None), got {schedule!r}"
+    schedules = methods.names("schedule")
+    if o.schedule is not None and o.schedule not in schedules:
+        return f"schedule must be one of {schedules} (or None), got {o.schedule!r}"
+    method = None if o.schedule is None else methods.get(o.schedule)
+    if o.model is not None and not (method and method.takes_model):
+        takers = [n for n in methods.names("schedule") if methods.get(n).takes_model]
+        return f"model= is used by schedule={' or '.join(map(repr, takers))} only"
+    if method is None:
+        return None
     if o.groups is not None:
         return "pass either groups= or schedule=, not both"
-    if schedule == "p3":
-        if type(o.compression) is not NoneCompressor:
-            return ("schedule='p3' sends dense slices and takes no compression; use "
-                    "compression=Compression.none or a merging schedule such as 'mgwfbp'")
-        if not isinstance(o.slice_elems, int) or o.slice_elems < 1:
-            return f"slice_elems must be a positive integer, got {o.slice_elems!r}"
-        if model is not None:
-            if not isinstance(model, torch.nn.Module):
-                return f"model must be a torch.nn.Module, got {type(model).__name__}"
-            owned = {id(p) for p in model.parameters()}
-            if not all(id(p) in owned for p in params):
-                return "model= must own every parameter of the optimizer"
-        return None
-    if model is not None:
-        return "model= is used by schedule='p3' only"
-    if getattr(o.compression, "scope", "bucket") != "bucket":
-        return (f"schedule={schedule!r} plans the buckets, but the compressor's scope is "
-                f"{o.compression.scope!r}; create it with scope='bucket'")
-    if not isinstance(o.profile_steps, int) or o.profile_steps < 1:
-        return f"profile_steps must be a positive integer, got {o.profile_steps!r}"
-    if not isinstance(o.trial_steps, int) or o.trial_steps < 0:
-        return f"trial_steps must be an integer >= 0, got {o.trial_steps!r}"
-    return None
+    return method.problem(o, params)
 
 
 def _delay_problem(o: Options) -> Optional[str]:
@@ -178,7 +163,7 @@ def _delay_problem(o: Options) -> Optional[str]:
         return str(e)
     if delay is None:
         return None
-    problem = delay.problem(type(o.compression) is NoneCompressor)
+    problem = delay.problem(_sends_as_is(o.compression))
     if problem is None and o.schedule is not None:
         problem = "delay= and schedule= cannot be combined; leave schedule=None"
     if problem is None and not isinstance(o.compression, Compressor):
@@ -197,24 +182,17 @@ def averaging_comm(o: Options) -> MPI.Comm:
 
 def make_strategy(o: Options, params, names, opt: torch.optim.Optimizer,
                   base_step: BaseStep) -> Strategy:
-    """The synchronisation strategy these options choose (``o`` resolved)."""
-    rt = runtime()
+    """The synchronisation strategy these options choose (``o`` resolved): the schedule
+    method's, or bucketed averaging by the fusion threshold (or ``groups=``), delayed when
+    ``delay=`` says so."""
     comm = averaging_comm(o)
-    common = dict(predivide=o.predivide, scale=o.scale(comm.Get_size()))
-    if o.schedule == "p3":
-        return P3(params, names, base_step, rt.engine, opt, o.slice_elems, model=o.model,
-                  **common)
-    plans = None
-    threshold = o.bucket_threshold_bytes()
+    setup = Setup(o, params, names, opt, base_step, runtime().engine, comm, o.op == Adasum,
+                  o.predivide, o.scale(comm.Get_size()))
     if o.schedule is not None:
-        plans = ScheduledPlans(o.schedule, [p.numel() * p.element_size() for p in params],
-                               [str(p.dtype) for p in params], names, rt.engine,
-                               o.fusion_threshold_bytes, o.profile_steps, o.trial_steps)
-        threshold = ONE_BUCKET_BYTES  # profiling: everything in one message after backward
+        return methods.get(o.schedule, "schedule").strategy(setup)
     dense_at = o.delay.sends_dense if o.delay is not None else (lambda step: False)
-    sync = Synchronous(params, names, base_step, rt.engine, o.compression,
-                       plan_groups(params, o.groups, threshold), plans=plans,
-                       dense_at=dense_at, comm=comm, adasum=o.op == Adasum, **common)
+    sync = setup.synchronous(plan_groups(params, o.groups, o.bucket_threshold_bytes()),
+                             dense_at=dense_at)
     return Delayed(sync, o.delay, opt) if o.delay is not None else sync
 
 

@@ -13,6 +13,7 @@ from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  #
 import hvcomm  # noqa: E402
 import hvcomm.torch as hvd  # noqa: E402
 from hvcomm.torch.methods.buckets import Bucket  # noqa: E402
+from hvcomm.torch.methods.gtopk import GTopKCompressor  # noqa: E402
 from hvcomm.torch.methods.memory import ErrorFeedback  # noqa: E402
 from hvcomm.torch.methods.reducer import Reducer  # noqa: E402
 from hvcomm.torch.runtime import runtime  # noqa: E402
@@ -30,20 +31,21 @@ def check_density_one_equals_dense():
         assert_close(model, dense, tol=1e-12)
 
 
-def own_applied(comp, acc, payload, ctx, result):
-    """What this rank's payload put into the global result, as a dense vector."""
+def own_applied(comp, acc, data, payload, result):
+    """What this rank's payload (``data``: what it sent) put into the global result, as a
+    dense vector."""
     n = acc.numel()
     mine = torch.zeros(n, dtype=acc.dtype)
-    if comp.collective in ("allgather", "gtopk"):
-        idx, val = torch.from_numpy(payload[0].astype("int64")), torch.from_numpy(payload[1])
-        if comp.collective == "gtopk":
+    if isinstance(data, tuple):  # sparse pairs: Top-k AllGather, gTop-k
+        idx, val = torch.from_numpy(data[0].astype("int64")), torch.from_numpy(data[1])
+        if isinstance(comp, GTopKCompressor):
             keep = torch.from_numpy(result.reached)
             idx, val = idx[keep], val[keep]
         mine[idx] = val
-    elif comp.collective == "allreduce_values":
-        mine[ctx[1]] = payload
+    elif payload.indices is not None:  # random-k: values at indices every rank chose alike
+        mine[payload.indices] = data
     else:
-        mine = payload.to(acc.dtype) * comp.threshold
+        mine = data.to(acc.dtype) * comp.threshold
     return mine
 
 
@@ -61,13 +63,13 @@ def check_conservation(comp, steps=4):
         flat = torch.randn(997, generator=g)
         acc_before = flat + memory.state_dict().get("b", torch.zeros(997))
         job = red.start(bucket, flat.clone(), step)
-        if torch.is_tensor(job.payload):  # summed in place by now: compress again (deterministic)
-            own, _ = comp.compress(acc_before.clone(), step, "b")
+        if torch.is_tensor(job.payload.data):  # summed in place by now: compress again
+            own, _ = comp.compress(acc_before.clone(), step, "b")  # (deterministic)
         else:
-            own = job.payload
+            own = job.payload.data
         dense, sent, _ = red.finish(job)
         result = job.handle.wait()[0]
-        applied = own_applied(comp, acc_before, own, job.ctx, result)
+        applied = own_applied(comp, acc_before, own, job.payload, result)
         total = hvd.allreduce(applied, op=hvd.Sum)
         gap = (memory.state_dict()["b"] + applied - acc_before).abs().max().item()
         if gap > 1e-12:
@@ -144,7 +146,7 @@ def check_randomk_unbiased():
         g = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + hvd.rank()))
         job = red.start(bucket, g.clone(), step)
         dense, _, _ = red.finish(job)
-        idx = job.ctx[1]
+        idx = job.payload.indices
         want = torch.zeros(n)
         want[idx] = hvd.allreduce(g, op=hvd.Sum)[idx] * (n / k)
         assert torch.allclose(dense, want, rtol=1e-12, atol=1e-12), step

@@ -14,13 +14,13 @@ import hvcomm.torch as hvd  # noqa: E402
 
 STEPS = 8
 MODES = {
-    "od": dict(delay=hvd.Delay("od", warmup_steps=2)),
-    "od-dcasgd": dict(delay=hvd.Delay("od", warmup_steps=2, local_optimizer="dcasgd",
+    "od": dict(delay=hvd.Delay("od-sgd", warmup_steps=2)),
+    "od-dcasgd": dict(delay=hvd.Delay("od-sgd", warmup_steps=2, local_optimizer="dcasgd",
                                       dc_lambda=0.5, local_lr=0.2)),
-    "ssd": dict(delay=hvd.Delay("ssd", warmup_steps=2, k=3, glu=0.5)),
-    "cd-topk": dict(delay=hvd.Delay("cd", warmup_steps=2, k=3),
+    "ssd": dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3, glu=0.5)),
+    "cd-topk": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3),
                     compression=hvd.Compression.topk(0.2, scope="bucket")),
-    "cd-twobit": dict(delay=hvd.Delay("cd", warmup_steps=2, k=2),
+    "cd-twobit": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=2),
                       compression=hvd.Compression.twobit(0.01)),
 }
 
@@ -100,7 +100,7 @@ def check_checkpoint_resumes_exactly(name):
 
 def check_od_local_step_formula():
     """One delayed step by hand: w = W - lr_local * (g + wd W), W one step behind."""
-    model, opt = build(delay=hvd.Delay("od", warmup_steps=1, local_lr=0.3))
+    model, opt = build(delay=hvd.Delay("od-sgd", warmup_steps=1, local_lr=0.3))
     run(model, opt, 1)                    # warm-up: W = w
     W0 = {n: w.clone() for n, w in opt.global_weights().items()}
     r = hvd.rank()
@@ -129,13 +129,13 @@ def check_cd_correction_is_full_precision():
 
 def check_bad_delays():
     odd = hvd.rank() == hvd.size() - 1
-    expect_everywhere(lambda: build(delay="slow" if odd else "od"), "delay mode must be")
-    expect_everywhere(lambda: build(delay="cd"), "needs a compressor")
-    expect_everywhere(lambda: build(delay=hvd.Delay("ssd", k=0)), "k must be")
-    expect_everywhere(lambda: build(delay="od", schedule="wfbp"), "cannot be combined")
-    expect_everywhere(lambda: build(delay=hvd.Delay("od", local_optimizer="adam")),
+    expect_everywhere(lambda: build(delay="slow" if odd else "od-sgd"), "delay mode must be")
+    expect_everywhere(lambda: build(delay="cd-sgd"), "needs a compressor")
+    expect_everywhere(lambda: build(delay=hvd.Delay("ssd-sgd", k=0)), "k must be")
+    expect_everywhere(lambda: build(delay="od-sgd", schedule="wfbp"), "cannot be combined")
+    expect_everywhere(lambda: build(delay=hvd.Delay("od-sgd", local_optimizer="adam")),
                       "local_optimizer")
-    model, opt = build(delay=hvd.Delay("od", warmup_steps=0))
+    model, opt = build(delay=hvd.Delay("od-sgd", warmup_steps=0))
     x, y = data(0, hvd.size())
     loss_fn(model, shard(x, hvd.rank()), shard(y, hvd.rank())).backward()
     expect_everywhere(opt.synchronize, "synchronize() is not available")

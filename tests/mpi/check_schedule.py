@@ -14,7 +14,10 @@ from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  #
                              train_serial)
 
 import hvcomm.torch as hvd  # noqa: E402
-from hvcomm import planner  # noqa: E402
+from hvcomm.torch import methods  # noqa: E402
+from hvcomm.torch.methods.schedule import PlannedSchedule  # noqa: E402
+
+PLANNED = [m.name for m in methods.REGISTRY.values() if isinstance(m, PlannedSchedule)]
 
 STEPS = 7  # one skipped, three profiled, replanned before step 4
 
@@ -33,9 +36,9 @@ def check_schedule_matches_serial(schedule, with_model=False, **kw):
         assert all(t > 0 for t in opt.trial_report.values())
         agreed = hvd.allgather_object((opt.plan_origin, opt.trial_report))
         assert agreed == [agreed[0]] * hvd.size()
-    if schedule in planner.SCHEDULES:
+    if schedule in PLANNED:
         names = [p.schedule for p in opt.schedule_report]
-        assert names == list(planner.SCHEDULES), names
+        assert names == PLANNED, names
         assert opt.plan_prediction.schedule == schedule
         best = min(p.iteration_s for p in opt.schedule_report)
         mg = next(p for p in opt.schedule_report if p.schedule == "mgwfbp")
@@ -213,13 +216,13 @@ def check_bad_schedules():
 def main():
     hvd.init()
     checks = Checks()
-    for schedule in planner.SCHEDULES:
+    for schedule in PLANNED:
         checks.run(f"{schedule} matches serial", check_schedule_matches_serial, schedule)
     checks.run("p3 (no model) matches serial", check_schedule_matches_serial, "p3",
                slice_elems=37)
     checks.run("p3 (model, deferred updates) matches serial", check_schedule_matches_serial,
                "p3", with_model=True, slice_elems=37)
-    for schedule in planner.SCHEDULES + ("p3",):
+    for schedule in methods.names("schedule"):
         checks.run(f"{schedule}: unused branch and shared weight",
                    check_unused_branch_and_shared_weight, schedule)
     checks.run("residuals survive replanning", check_residuals_survive_replanning)

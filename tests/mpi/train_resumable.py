@@ -35,9 +35,9 @@ METHODS = {  # every synchronisation hvcomm offers, small enough for a few steps
     "randomk": dict(compression=C.randomk(0.1)),
     "twobit": dict(compression=C.twobit(0.01)),
     "wfbp": dict(schedule="wfbp"),
-    "od": dict(delay=hvd.Delay("od", warmup_steps=2)),
-    "ssd": dict(delay=hvd.Delay("ssd", warmup_steps=2, k=3)),
-    "cd": dict(delay=hvd.Delay("cd", warmup_steps=2, k=3), compression=C.twobit(0.01)),
+    "od": dict(delay=hvd.Delay("od-sgd", warmup_steps=2)),
+    "ssd": dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3)),
+    "cd": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3), compression=C.twobit(0.01)),
     "p3": dict(schedule="p3", slice_elems=100),
 }
 

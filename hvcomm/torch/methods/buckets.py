@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+
+from collectives.errors import HvcommError
 
 from collectives.merged import BucketPlan
 
@@ -35,6 +38,7 @@ class Bucket:
     indices: List[int]
     names: List[str]
     numels: List[int]
+    shapes: Sequence[Tuple[int, ...]] = ()  # the parameters' shapes (empty: not known)
     ready: int = 0                       # parameters whose gradient is final this iteration
     pending: Optional[object] = field(default=None, repr=False)  # the reducer's InFlight
 
@@ -50,8 +54,8 @@ class Bucket:
 
 def make_buckets(groups: Sequence[Sequence[int]], params: Sequence[torch.nn.Parameter],
                  names: Sequence[str]) -> List[Bucket]:
-    return [Bucket(list(g), [names[i] for i in g], [params[i].numel() for i in g])
-            for g in groups]
+    return [Bucket(list(g), [names[i] for i in g], [params[i].numel() for i in g],
+                   [tuple(params[i].shape) for i in g]) for g in groups]
 
 
 def plan_groups(params: Sequence[torch.nn.Parameter], groups, threshold_bytes: int
@@ -106,3 +110,11 @@ def split(flat: torch.Tensor, numels: Sequence[int]) -> Iterator[Tuple[int, torc
     for i, n in enumerate(numels):
         yield i, flat[offset:offset + n]
         offset += n
+
+
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a contiguous CPU tensor (clear error for what NumPy cannot hold)."""
+    if tensor.dtype == torch.bfloat16:
+        raise HvcommError("bfloat16 tensors cannot be communicated by hvcomm; use float32 "
+                          "(or compression=Compression.fp16)")
+    return tensor.detach().numpy()

@@ -1,4 +1,5 @@
-"""Delayed synchronisation on allreduce: OD-SGD, SSD-SGD (with GLU) and CD-SGD.
+"""Delayed synchronisation on allreduce: the machinery that OD-SGD, SSD-SGD and CD-SGD share
+(their rules are in :mod:`od_sgd`, :mod:`ssd_sgd` and :mod:`cd_sgd`).
 
 Every rank keeps the global weights W, advanced identically on every rank by the wrapped
 optimizer from the averaged gradient, and trains on its local weights w (the model's
@@ -9,19 +10,16 @@ parameters). At step t (after ``warmup_steps`` ordinary synchronous steps):
 2. the averaged gradient of step t-1 (its allreduce overlapped this step's forward and
    backward) advances W: ``W <- GlobalOpt(W, avg g_{t-1})``;
 3. the local weights move with this rank's own fresh gradient:
-   - a *reset* step (every step for "od" and "cd", every ``k``-th delayed step for "ssd"):
+   - a *reset* step (the method's ``is_reset``):
      ``w <- W - lr_local * (g + wd*W + dc)``, with DC-ASGD's delay compensation
      ``dc = dc_lambda * g*g*(W - w_t)`` when ``local_optimizer="dcasgd"`` (else 0);
-   - otherwise ("ssd"): ``w <- w - lr_local * (g + wd*w) + glu * (W - W_before)``: GLU adds
+   - otherwise: ``w <- w - lr_local * (g + wd*w) + glu * (W - W_before)``: GLU adds
      the global update just applied (W_before: W before step 2), the other workers'
      contribution that the local weights would otherwise miss until the next reset.
 
-"cd" sends step t's gradient compressed (any hvcomm compressor, with its error feedback),
-except every ``k``-th delayed step, which sends that step's gradient in full precision: the
-k-step correction (the residual stays, to be delivered by the compressed steps; sending it
-with the correction as well delivered it in bursts that hurt: 0.70 against 0.96 test
-accuracy after 8 epochs of the digits job with 2-bit threshold 0.5). Warm-up steps are dense
-synchronous SGD in every mode, so a warm-up covering the whole run is exactly S-SGD.
+Steps the method sends in full precision (``is_full_precision``) go uncompressed; the others
+with the optimizer's compressor (with its error feedback). Warm-up steps are dense synchronous
+SGD in every mode, so a warm-up covering the whole run is exactly S-SGD.
 """
 from __future__ import annotations
 
@@ -30,19 +28,19 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from collectives.cost import ring_allreduce_s
 from collectives.errors import HvcommError
 
 from .. import timeline
+from .base import DelayMethod
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
-
-MODES = ("od", "ssd", "cd")
 
 
 @dataclass(frozen=True)
 class Delay:
     """How to delay synchronisation; pass as ``DistributedOptimizer(..., delay=Delay(...))``
-    or just ``delay="od"`` for the defaults."""
+    or just ``delay="od-sgd"`` for the defaults. ``mode``: a delay method's name."""
 
     mode: str
     warmup_steps: int = 100
@@ -50,11 +48,18 @@ class Delay:
     local_lr: Optional[float] = None     # None: each param group's current lr
     local_optimizer: str = "sgd"         # or "dcasgd"
     dc_lambda: float = 0.04
-    glu: float = 1.0                     # SSD only
+    glu: float = 1.0                     # without a reset (SSD-SGD)
+
+    @property
+    def method(self) -> DelayMethod:
+        from . import get
+        return get(self.mode, "delay")
 
     def problem(self, compression_is_none: bool) -> Optional[str]:
-        if self.mode not in MODES:
-            return f"delay mode must be one of {MODES}, got {self.mode!r}"
+        from . import names
+        if self.mode not in names("delay"):
+            return f"delay mode must be one of {names('delay')}, got {self.mode!r}"
+        method = self.method
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             return f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
         if not isinstance(self.k, int) or self.k < 1:
@@ -63,19 +68,19 @@ class Delay:
             return f"local_lr must be > 0 (or None for the group's lr), got {self.local_lr!r}"
         if self.local_optimizer not in ("sgd", "dcasgd"):
             return f"local_optimizer must be 'sgd' or 'dcasgd', got {self.local_optimizer!r}"
-        if self.mode == "cd" and compression_is_none:
-            return ("delay='cd' needs a compressor (e.g. compression=Compression.twobit(0.5)); "
-                    "without one use delay='od'")
+        if method.needs_compressor and compression_is_none:
+            return (f"delay={self.mode!r} needs a compressor (e.g. "
+                    "compression=Compression.twobit(0.5))")
         return None
 
     def is_reset(self, delayed_index: int) -> bool:
-        return self.mode != "ssd" or delayed_index % self.k == 0
+        return self.method.is_reset(delayed_index, self.k)
 
     def is_full_precision(self, delayed_index: int) -> bool:
-        return self.mode == "cd" and (delayed_index + 1) % self.k == 0
+        return self.method.is_full_precision(delayed_index, self.k)
 
     def sends_dense(self, step: int) -> bool:
-        """Warm-up steps, and CD's k-step corrections, go uncompressed."""
+        """Warm-up steps, and the method's full-precision steps, go uncompressed."""
         j = step - self.warmup_steps
         return j < 0 or self.is_full_precision(j)
 
@@ -85,7 +90,8 @@ def as_delay(delay) -> Optional[Delay]:
         return delay
     if isinstance(delay, str):
         return Delay(delay)
-    raise HvcommError(f"delay must be None, 'od', 'ssd', 'cd' or a Delay, got {delay!r}")
+    from . import names
+    raise HvcommError(f"delay must be None, a Delay or one of {names('delay')}, got {delay!r}")
 
 
 @torch.no_grad()
@@ -244,3 +250,24 @@ class Delayed(Strategy):
             self._averaged = (None if delay_state["previous"] is None else
                               {k: v.clone() for k, v in delay_state["previous"].items()})
             self._in_flight = None
+
+
+def delayed_s(case, coded_bytes_per_param: Optional[float] = None, k: int = 1) -> float:
+    """A delayed method's iteration: the whole model's allreduce overlapped with the next
+    iteration's forward and backward (its cost hidden up to the computation's length), then
+    the update. ``coded_bytes_per_param``: k-1 of every k steps send that many bytes per
+    parameter, the k-th the full gradient."""
+    trace, p = case.trace, case.workers
+    busy = trace.compute_s - trace.update_s + case.local()
+    dense = max(busy, ring_allreduce_s(p, trace.params * trace.bytes_per_param, case.ab))
+    if coded_bytes_per_param is None:
+        return dense + trace.update_s
+    coded = max(busy, ring_allreduce_s(p, trace.params * coded_bytes_per_param, case.ab))
+    return ((k - 1) * coded + dense) / k + trace.update_s
+
+
+class DelayedMethod(DelayMethod):
+    """A delay method whose prediction is :func:`delayed_s` with dense gradients."""
+
+    def predict(self, case):
+        return delayed_s(case)

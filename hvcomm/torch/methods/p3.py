@@ -16,18 +16,26 @@ no collective is mismatched, whatever the timing.
 """
 from __future__ import annotations
 
+import heapq
+import math
 import threading
 from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
+
+from collectives.cost import ring_allreduce_s
 
 from .. import timeline
-from .buckets import CommStats, flat_grad
-from ..engine import Engine
-from ..ops import as_numpy
+from .base import ScheduleMethod
+from .buckets import CommStats, as_numpy, flat_grad
 from .strategy import BaseStep, Strategy, in_flight_error
+
+
+def priority_key(tensor_index: int) -> int:
+    """P3's rule, for the runtime and the prediction alike: among the slices ready on every
+    rank, the tensor closest to the input (the lowest index in forward order) goes first."""
+    return tensor_index
 
 
 class P3Round:
@@ -77,7 +85,7 @@ class P3Round:
         """Slice s of parameter i is summed (engine thread, before the next choice)."""
         self.sent.append((i, s))
 
-    def job(self, comm: MPI.Comm) -> None:
+    def job(self, comm) -> None:
         try:
             self._run(comm)
         except BaseException as e:  # noqa: BLE001 - re-raised to every waiter
@@ -86,14 +94,16 @@ class P3Round:
                 d.set()
             raise
 
-    def _run(self, comm: MPI.Comm) -> None:
+    def _run(self, comm) -> None:
+        from mpi4py import MPI
         size = comm.Get_size()
         everywhere = np.zeros(self.n, bool)
         next_slice = [0] * self.n
         left = sum(len(b) for b in self.bounds)
         while left:
-            cand = next((i for i in range(self.n)
-                         if everywhere[i] and next_slice[i] < len(self.bounds[i])), None)
+            cand = min((i for i in range(self.n)
+                        if everywhere[i] and next_slice[i] < len(self.bounds[i])),
+                       key=priority_key, default=None)
             if cand is None:  # nothing to send that every rank has: report what is new here
                 with self._cond:
                     self._cond.wait_for(lambda: bool((self._local & ~everywhere).any()))
@@ -132,7 +142,7 @@ class P3(Strategy):
     DistributedOptimizer, whose param_groups a partial update narrows for a moment."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
-                 base_step: BaseStep, engine: Engine, optimizer: torch.optim.Optimizer,
+                 base_step: BaseStep, engine, optimizer: torch.optim.Optimizer,
                  slice_elems: int, *, predivide: float = 1.0, scale: float = 1.0,
                  model: Optional[torch.nn.Module] = None):
         super().__init__(params, names, base_step)
@@ -154,7 +164,7 @@ class P3(Strategy):
         if self._round is None:
             self._round = P3Round([p.numel() for p in self.params], self.names,
                                   self.slice_elems)
-            self._engine.open_stream()
+            self._engine.open_stream("a DistributedOptimizer(schedule='p3') round")
             self._round_handle = self._engine.submit(self._round.job)
         self._round.ready(i, flat_grad([self.params[i]], self.predivide))
 
@@ -265,3 +275,84 @@ class P3(Strategy):
             raise in_flight_error()
         if state is not None:
             self.steps = state["step"]
+
+
+def p3_period_s(case, iterations: int = 5) -> float:
+    """P3's steady-state iteration time: an event simulation of ``iterations`` iterations,
+    the period between the last two starts. One wire, one slice at a time, chosen by
+    :func:`priority_key` among the ready ones; when nothing known to be ready is left, the ranks
+    exchange their readiness (one small allreduce) once a gradient is ready, as the runtime
+    does. The next iteration's forward of a layer waits only for that layer's slices and its
+    share of the update."""
+    trace, p, ab, slice_elems = case.trace, case.workers, case.ab, case.slice_elems
+    tensors = [(li, n) for li, layer in enumerate(trace.layers)
+               for n in ([math.prod(s) for s in layer.shapes] or ([layer.params]
+                                                                  if layer.params else []))]
+    vector = len(tensors) * trace.bytes_per_param        # readiness, appended to each slice
+    negotiation = ring_allreduce_s(p, 8 * len(tensors), ab)
+    done = [0.0] * len(trace.layers)  # when each layer's slices of the last iteration were summed
+    t = wire = 0.0
+    starts = []
+    for _ in range(iterations):
+        starts.append(t)
+        for li, layer in enumerate(trace.layers):  # forward: each layer waits for its update
+            if layer.params:
+                t = max(t, done[li]) + trace.update_s * layer.params / trace.params
+            t += layer.forward_s
+        ready = [0.0] * len(trace.layers)
+        for li in reversed(range(len(trace.layers))):
+            t += trace.layers[li].backward_s
+            ready[li] = t
+        # slices in priority order, each with its ready time
+        slices = [(priority_key(ti), ready[li], li, min(slice_elems, n - lo))
+                  for ti, (li, n) in enumerate(tensors) for lo in range(0, n, slice_elems)]
+        left = [0] * len(trace.layers)
+        for _, _, li, _ in slices:
+            left[li] += 1
+        pending = sorted(slices, key=lambda s: s[1])
+        heap: list = []
+        at = 0
+        while at < len(pending) or heap:
+            if not heap:  # the wire idles until the next gradient, then a negotiation
+                wire = max(wire, pending[at][1]) + negotiation
+            while at < len(pending) and pending[at][1] <= wire:
+                heapq.heappush(heap, pending[at])
+                at += 1
+            _, _, li, elems = heapq.heappop(heap)
+            wire += ring_allreduce_s(p, elems * trace.bytes_per_param + vector, ab)
+            left[li] -= 1
+            if not left[li]:
+                done[li] = wire
+    return starts[-1] - starts[-2]
+
+
+class P3Schedule(ScheduleMethod):
+    """``schedule="p3"``: priority slices of ``slice_elems`` elements; with ``model=`` the
+    update is deferred to each module's next forward."""
+
+    takes_model = True
+
+    def problem(self, o, params):
+        if not getattr(o.compression, "sends_as_is", False):
+            return ("schedule='p3' sends dense slices and takes no compression; use "
+                    "compression=Compression.none or a merging schedule such as 'mgwfbp'")
+        if not isinstance(o.slice_elems, int) or o.slice_elems < 1:
+            return f"slice_elems must be a positive integer, got {o.slice_elems!r}"
+        if o.model is not None:
+            if not isinstance(o.model, torch.nn.Module):
+                return f"model must be a torch.nn.Module, got {type(o.model).__name__}"
+            owned = {id(p) for p in o.model.parameters()}
+            if not all(id(p) in owned for p in params):
+                return "model= must own every parameter of the optimizer"
+        return None
+
+    def strategy(self, setup):
+        o = setup.options
+        return P3(setup.params, setup.names, setup.base_step, setup.engine, setup.optimizer,
+                  o.slice_elems, model=o.model, predivide=setup.predivide, scale=setup.scale)
+
+    def predict(self, case):
+        return p3_period_s(case) + case.local()
+
+
+METHOD = P3Schedule("p3", "P3: priority slices, the layer nearest the input first")

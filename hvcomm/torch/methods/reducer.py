@@ -6,13 +6,9 @@ from typing import Any, Sequence
 
 import torch
 
-import collectives as C
-
+from .base import ADASUM, Compressor, Payload
 from .buckets import Bucket
-from .compression import Compressor
-from ..engine import Engine, Handle
 from .memory import ErrorFeedback
-from ..ops import adasum_, as_numpy, sum_in_place
 
 
 @dataclass
@@ -20,82 +16,62 @@ class InFlight:
     """One bucket's collective on the engine; ``finish()`` waits for it."""
 
     reducer: "Reducer"
-    handle: Handle
-    payload: Any
-    ctx: Any
+    handle: Any                   # the engine's Handle
+    payload: Payload
     names: Sequence[str] = ()     # the bucket's parameters (their residuals)
     numels: Sequence[int] = ()
-    dtype: Any = None
 
     def finish(self):
         """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""
         return self.reducer.finish(self)
 
 
-def _collective_job(collective: str, payload: Any, ctx: Any):
-    """The engine job that carries ``payload`` with ``collective``; returns its result."""
-    if collective in ("allreduce", "allreduce_values"):
-        buf = as_numpy(payload)
+class _HorovodCompressor(Compressor):
+    """A compressor with Horovod's interface alone (``compress(tensor) -> (tensor, ctx)``,
+    ``decompress(tensor, ctx)``), carried by a dense allreduce without error feedback."""
 
-        def job(comm):
-            sum_in_place(comm, buf)
-            return payload, 2 * (comm.Get_size() - 1) / comm.Get_size() * buf.nbytes
-    elif collective == "adasum":
-        def job(comm):
-            adasum_(comm, payload)
-            return payload, 2 * (comm.Get_size() - 1) / comm.Get_size() * payload.nbytes
-    elif collective == "allgather":
-        def job(comm):
-            res = C.topk_allgather(comm, *payload, ctx[0], ctx[1], check=False)
-            return res, res.sent_bytes
-    elif collective == "gtopk":
-        def job(comm):
-            res = C.gtopk_allreduce(comm, *payload, ctx[0], ctx[1], check=False)
-            return res, res.sent_bytes
-    else:
-        raise ValueError(f"unknown collective {collective!r}")
-    return job
+    def __init__(self, compressor: Any):
+        self.compressor = compressor
+
+    def encode(self, tensor, step=0, key="", shapes=()):
+        data, ctx = self.compressor.compress(tensor)
+        return Payload(data.contiguous(), tensor.numel(), tensor.dtype, ctx=ctx)
+
+    def decode(self, result, payload):
+        return self.compressor.decompress(result, payload.ctx)
 
 
 class Reducer:
-    """Runs compressors the hvcomm way (with error feedback) or Horovod's way (any object
-    with compress/decompress, carried by a dense allreduce)."""
+    """Runs a compressor (with error feedback where it keeps one) and the collective it
+    carries; ``adasum``: the dense payload is combined by Adasum instead (the options allow
+    op=Adasum with dense gradients only)."""
 
-    def __init__(self, engine: Engine, compressor: Any, memory: ErrorFeedback, comm=None,
+    def __init__(self, engine, compressor: Any, memory: ErrorFeedback, comm=None,
                  adasum: bool = False):
+        if not isinstance(compressor, Compressor):
+            compressor = _HorovodCompressor(compressor)
         self.engine, self.compressor, self.memory = engine, compressor, memory
         self.comm = comm  # None: the engine's (every rank); else a process set's
-        self.dense_collective = "adasum" if adasum else "allreduce"  # what "allreduce" means
-        self.native = isinstance(compressor, Compressor)
+        self.collective = ADASUM if adasum else compressor.collective
 
     def start(self, bucket: Bucket, flat: torch.Tensor, step: int) -> InFlight:
-        comp, key = self.compressor, bucket.key
-        if not self.native:
-            payload, ctx = comp.compress(flat)
-            payload = payload.contiguous()
-            return InFlight(self, self.engine.submit(
-                _collective_job(self.dense_collective, payload, ctx),
-                f"{self.dense_collective} {key[:80]}", self.comm),
-                            payload, ctx)
-        names, numels = bucket.names, bucket.numels
+        comp, names, numels = self.compressor, bucket.names, bucket.numels
         acc = self.memory.compensate(names, numels, flat) if comp.error_feedback else flat
-        payload, ctx = comp.compress(acc, step, key)
+        payload = comp.encode(acc, step, bucket.key, bucket.shapes)
         if comp.error_feedback:
-            self.memory.store(names, numels, comp.residual(acc, payload, ctx))
-        collective = self.dense_collective if comp.collective == "allreduce" else comp.collective
-        return InFlight(self, self.engine.submit(_collective_job(collective, payload, ctx),
-                                                 f"{collective} {key[:80]}", self.comm),
-                        payload, ctx, names, numels, flat.dtype)
+            self.memory.store(names, numels, comp.residual(acc, payload))
+        collective = self.collective
+        handle = self.engine.submit(lambda comm: collective.run(comm, payload),
+                                    f"{collective.label} {bucket.key[:80]}", self.comm)
+        return InFlight(self, handle, payload, names, numels)
 
     def finish(self, job: InFlight):
         """See :meth:`InFlight.finish`."""
         result, sent = job.handle.wait()
         comp = self.compressor
-        if self.native and comp.error_feedback:
+        if comp.error_feedback:
             # into the residual as it is now: with delay=, the next step's compensation may
             # already have taken the one this job stored
-            comp.settle(self.memory.flat(job.names, job.numels, job.dtype), job.payload, result)
-        parts = job.payload if isinstance(job.payload, tuple) else (job.payload,)
-        payload_bytes = sum(p.nbytes if hasattr(p, "nbytes") else p.numel() * p.element_size()
-                            for p in parts)
-        return comp.decompress(result, job.ctx), sent, payload_bytes
+            comp.settle(self.memory.flat(job.names, job.numels, job.payload.dtype),
+                        job.payload, result)
+        return comp.decode(result, job.payload), sent, job.payload.nbytes

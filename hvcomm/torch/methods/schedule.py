@@ -1,27 +1,27 @@
-"""Scheduled groupings for the synchronous strategy: profiling the backward pass from the
-gradient hooks, the communicator's cost fit, and :class:`ScheduledPlans`, which turns them into
-plans with :mod:`hvcomm.planner` (and races them, for "mgwfbp")."""
+"""Planned groupings for the synchronous strategy: :class:`PlannedSchedule` (what the schedule
+methods wfbp, single, threshold, merge_rule and mgwfbp share: each names its plan), profiling
+the backward pass from the gradient hooks, the communicator's cost fit, and
+:class:`ScheduledPlans`, which turns them into plans through the schedules' plan functions
+(and races the plans a schedule names in ``race_against``)."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
-from collectives.cost import calibrate
 from collectives.errors import HvcommError
 from hvcomm import planner
 
-from ..engine import Engine
+from .base import ScheduleMethod
+from .buckets import ONE_BUCKET_BYTES, plan_groups
 
-SCHEDULES = planner.SCHEDULES + ("p3",)
 _COSTS: Dict[int, "tuple[int, planner.Cost]"] = {}  # size -> (largest bytes measured, fit)
 
 
-def cost_for(engine: Engine, largest_bytes: int = 8 << 20) -> planner.Cost:
+def cost_for(engine, largest_bytes: int = 8 << 20) -> planner.Cost:
     """The allreduce cost fit T(M) = a + b*M of the engine's communicator, measured once per
     communicator size in this process (again if a model brings a larger message than
     measured), on sizes from 4 KiB up to ``largest_bytes`` (at most 64 MiB): the slope of
@@ -38,16 +38,19 @@ def cost_for(engine: Engine, largest_bytes: int = 8 << 20) -> planner.Cost:
     largest = int(min(max(largest_bytes, 1 << 20), 64 << 20))
     if size not in _COSTS or _COSTS[size][0] < largest:
         sizes = sorted({4 << 10, 64 << 10, 1 << 20, min(8 << 20, largest), largest})
+        from collectives.cost import calibrate
         cal = engine.submit(lambda comm: calibrate(comm, sizes, repeats=3), "calibrate").wait()
         _COSTS[size] = (largest, planner.Cost(max(cal.a_s, _engine_startup_s(engine)),
                                               cal.b_s_per_byte))
     return _COSTS[size][1]
 
 
-def _engine_startup_s(engine: Engine, messages: int = 50) -> float:
+def _engine_startup_s(engine, messages: int = 50) -> float:
     """The startup of one message the way the optimizer sends it: tiny allreduces submitted
     back to back to the engine (thread hand-over and Python included), slowest rank's mean.
     On shared memory this is several times MPI's own latency."""
+    from mpi4py import MPI
+
     def tiny(comm):
         comm.Allreduce(MPI.IN_PLACE, np.zeros(16, np.float32), op=MPI.SUM)
 
@@ -96,7 +99,7 @@ class Profiler:
         self.iteration += 1
         self.start = time.perf_counter()
 
-    def agreed(self, comm: MPI.Comm) -> "tuple[np.ndarray, float]":
+    def agreed(self, comm) -> "tuple[np.ndarray, float]":
         """Per-parameter ready time (NaN: never had a gradient) and update time, the slowest
         rank's, identical on every rank. Collective."""
         local = np.array([np.median(t) if t else np.nan for t in self.ready])
@@ -122,7 +125,7 @@ def observed_trace(ready: np.ndarray, update_s: float, nbytes: Sequence[int],
 
 
 class _Race:
-    """The race of "mgwfbp": each candidate plan runs one warm-up and ``steps`` timed
+    """A race of plans (a schedule's ``race_against``): each candidate plan runs one warm-up and ``steps`` timed
     iterations in turn; the fastest (slowest rank's best time) wins."""
 
     def __init__(self, candidates: List[planner.Prediction], steps: int):
@@ -149,14 +152,14 @@ class ScheduledPlans:
     """A planner-driven source of groupings for :class:`hvcomm.torch.methods.sync.Synchronous`.
 
     Profiles the first iterations (1 skipped, then ``profile_steps``) with everything sent in
-    one message after backward, fits the communicator's cost, asks the planner for every
-    schedule's plan and prediction (``schedule_report``) and hands back the chosen grouping.
-    "mgwfbp" then races its plan against the single, threshold and WFBP plans
+    one message after backward, fits the communicator's cost, asks every planned schedule for
+    its plan and prediction (``schedule_report``) and hands back ``schedule``'s grouping. A
+    schedule with ``race_against`` then races its plan against those schedules' plans
     (``trial_steps`` timed iterations each, after one warm-up) and keeps the fastest
     (``trial_report``, ``plan_origin``). Every decision is identical on every rank."""
 
-    def __init__(self, schedule: str, nbytes: Sequence[int], dtypes: Sequence[str],
-                 names: Sequence[str], engine: Engine, fusion_threshold_bytes: int,
+    def __init__(self, schedule: "PlannedSchedule", nbytes: Sequence[int], dtypes: Sequence[str],
+                 names: Sequence[str], engine, fusion_threshold_bytes: int,
                  profile_steps: int = 3, trial_steps: int = 5):
         self.schedule = schedule
         self._nbytes, self._dtypes, self._names = list(nbytes), list(dtypes), list(names)
@@ -169,7 +172,7 @@ class ScheduledPlans:
         self.schedule_report: List[planner.Prediction] = []   # every schedule, once planned
         self.plan_prediction: Optional[planner.Prediction] = None  # the one in use
         self.trial_report: Dict[str, float] = {}   # candidate -> best measured iteration (s)
-        self.plan_origin: Optional[str] = None     # which candidate's plan "mgwfbp" kept
+        self.plan_origin: Optional[str] = None     # which candidate's plan the race kept
 
     @property
     def racing(self) -> bool:
@@ -202,31 +205,82 @@ class ScheduledPlans:
         self._order, trace = observed_trace(ready, update_s, self._nbytes, self._dtypes,
                                             self._names)
         cost = cost_for(self._engine, sum(self._nbytes))
-        self.schedule_report = planner.compare(trace, cost, self._threshold)
+        from . import REGISTRY
+        self.schedule_report = [m.plan(trace, cost, self._threshold) for m in REGISTRY.values()
+                                if isinstance(m, PlannedSchedule)]
         by_name = {p.schedule: p for p in self.schedule_report}
-        if self.schedule == "mgwfbp" and self._trial_steps > 0:
+        mine = self.schedule.name
+        if self.schedule.race_against and self._trial_steps > 0:
             seen, candidates = set(), []
-            for name in ("mgwfbp", "single", "threshold", "wfbp"):
+            for name in (mine, *self.schedule.race_against):
                 if by_name[name].plan.buckets not in seen:
                     seen.add(by_name[name].plan.buckets)
                     candidates.append(by_name[name])
             self._race = _Race(candidates, self._trial_steps)
             return self._install(candidates[0])
-        return self._install(by_name[self.schedule])
+        return self._install(by_name[mine])
 
     def _race_iteration(self, seconds: float) -> Optional[List[List[int]]]:
         race = self._race
         plan, over = race.record(seconds)
         if not over:
             return None if plan is None else self._install(plan)
+        from mpi4py import MPI
         best = np.array([min(ts) for ts in race.times])
         self._engine.submit(lambda comm: comm.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)).wait()
         self.trial_report = {c.schedule: float(b) for c, b in zip(race.candidates, best)}
         winner = race.candidates[int(np.argmin(best))]
         self.plan_origin = winner.schedule
         self._race = None
-        return self._install(dataclasses.replace(winner, schedule="mgwfbp"))
+        return self._install(dataclasses.replace(winner, schedule=self.schedule.name))
 
     def _install(self, prediction: planner.Prediction) -> List[List[int]]:
         self.plan_prediction = prediction
         return [[self._order[i] for i in bucket] for bucket in prediction.plan.buckets]
+
+
+# -- the planned schedules' common part ---------------------------------------------------------
+def ring_cost(case) -> planner.Cost:
+    """The ring allreduce's cost at ``case.workers`` as the planner's T(M) = a + b*M."""
+    p, ab = case.workers, case.ab
+    return planner.Cost(2 * (p - 1) * ab.alpha_s, 2 * (p - 1) / p * ab.beta_s_per_byte)
+
+
+def dense_schedule_s(case, plan: Callable[..., planner.Prediction]) -> float:
+    """Iteration time of dense buckets grouped by ``plan`` (a schedule's plan function), plus
+    the local cost on the critical path."""
+    return plan(case.trace.planner_trace(), ring_cost(case), case.threshold_bytes).iteration_s \
+        + case.local()
+
+
+class PlannedSchedule(ScheduleMethod):
+    """A schedule whose grouping is planned from a profile of the first iterations: ``plan``
+    returns its grouping and prediction for a trace and a cost (see :mod:`hvcomm.planner`).
+    ``race_against``: schedules whose plans race this one's before one is kept."""
+
+    race_against: Tuple[str, ...] = ()
+
+    def plan(self, trace: planner.Trace, cost: planner.Cost,
+             threshold_bytes: int) -> planner.Prediction:
+        raise NotImplementedError
+
+    def predict(self, case) -> float:
+        return dense_schedule_s(case, self.plan)
+
+    def problem(self, o, params):
+        if getattr(o.compression, "scope", "bucket") != "bucket":
+            return (f"schedule={self.name!r} plans the buckets, but the compressor's scope is "
+                    f"{o.compression.scope!r}; create it with scope='bucket'")
+        if not isinstance(o.profile_steps, int) or o.profile_steps < 1:
+            return f"profile_steps must be a positive integer, got {o.profile_steps!r}"
+        if not isinstance(o.trial_steps, int) or o.trial_steps < 0:
+            return f"trial_steps must be an integer >= 0, got {o.trial_steps!r}"
+        return None
+
+    def strategy(self, setup):
+        o, params = setup.options, setup.params
+        plans = ScheduledPlans(self, [p.numel() * p.element_size() for p in params],
+                               [str(p.dtype) for p in params], setup.names, setup.engine,
+                               o.fusion_threshold_bytes, o.profile_steps, o.trial_steps)
+        # profiling: everything in one message after backward
+        return setup.synchronous(plan_groups(params, o.groups, ONE_BUCKET_BYTES), plans=plans)

@@ -68,6 +68,10 @@ class Strategy:
     def finish_pending(self) -> None:
         """Apply every update still pending, so the model holds the synchronised weights."""
 
+    def global_weights(self) -> Dict[str, torch.Tensor]:
+        """The global weights by parameter name, where the strategy keeps them apart."""
+        raise HvcommError("global_weights() is for delay=... optimizers")
+
     def state_dict(self) -> Dict[str, Any]:
         raise NotImplementedError
 

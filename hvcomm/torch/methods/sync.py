@@ -4,17 +4,17 @@ final (in one fixed order on every rank), dense or compressed, and is waited for
 planner-driven source of plans (:class:`hvcomm.torch.methods.schedule.ScheduledPlans`)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
 from .. import timeline
 from .buckets import Bucket, CommStats, flat_grad, make_buckets, set_grad, split
-from .compression import Compression, Compressor
-from ..engine import Engine
+from .base import Compressor
 from .memory import ErrorFeedback
+from .none import NoneCompressor
 from .reducer import InFlight, Reducer
-from .schedule import ScheduledPlans
 from .strategy import BaseStep, Strategy, in_flight_error
 
 Launched = List[Tuple[Bucket, InFlight]]
@@ -29,16 +29,16 @@ class Synchronous(Strategy):
     of summed."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
-                 base_step: BaseStep, engine: Engine, compression: Compressor,
+                 base_step: BaseStep, engine, compression: Compressor,
                  groups: Sequence[Sequence[int]], *, predivide: float = 1.0,
-                 scale: float = 1.0, plans: Optional[ScheduledPlans] = None,
+                 scale: float = 1.0, plans=None,
                  dense_at: Callable[[int], bool] = lambda step: False, comm=None,
                  adasum: bool = False):
         super().__init__(params, names, base_step)
         self.memory = ErrorFeedback()
         self.comm_stats, self.steps = CommStats(), 0
         self._reducer = Reducer(engine, compression, self.memory, comm, adasum)
-        self._dense_reducer = Reducer(engine, Compression.none, self.memory, comm, adasum)
+        self._dense_reducer = Reducer(engine, NoneCompressor(), self.memory, comm, adasum)
         self.predivide, self.scale = predivide, scale
         self.plans, self.dense_at = plans, dense_at
         self.comm_end = 0.0  # when the last collective of the last synchronize() ended
@@ -118,7 +118,11 @@ class Synchronous(Strategy):
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
-        return {"step": self.steps, "residuals_by_param": self.memory.state_dict()}
+        state = {"step": self.steps, "residuals_by_param": self.memory.state_dict()}
+        compressor = self._reducer.compressor.state_dict()
+        if compressor is not None:
+            state["compressor"] = compressor
+        return state
 
     def load_state_dict(self, state) -> None:
         if any(b.pending is not None for b in self.buckets):
@@ -126,6 +130,34 @@ class Synchronous(Strategy):
         if state is not None:
             self.steps = state["step"]
             self.memory.load_state_dict(state["residuals_by_param"])
+            if "compressor" in state:
+                self._reducer.compressor.load_state_dict(state["compressor"])
         for b in self.buckets:
             b.ready = 0
         self._next_launch = 0
+
+
+@dataclass
+class Setup:
+    """What a method builds its strategy from: the optimizer's resolved ``options``
+    (:class:`hvcomm.torch.options.Options`), its parameters and their names, the
+    DistributedOptimizer, the wrapped optimizer's step, the engine, the communicator the
+    gradients are averaged on, and the pre-/post-scaling of each sum."""
+
+    options: Any
+    params: Sequence[torch.nn.Parameter]
+    names: Sequence[str]
+    optimizer: torch.optim.Optimizer
+    base_step: BaseStep
+    engine: Any
+    comm: Any
+    adasum: bool
+    predivide: float
+    scale: float
+
+    def synchronous(self, groups: Sequence[Sequence[int]], **kw) -> Synchronous:
+        """Bucketed averaging of ``groups`` with the options' compressor (``kw``: ``plans``,
+        ``dense_at``)."""
+        return Synchronous(self.params, self.names, self.base_step, self.engine,
+                           self.options.compression, groups, predivide=self.predivide,
+                           scale=self.scale, comm=self.comm, adasum=self.adasum, **kw)

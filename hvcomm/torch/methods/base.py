@@ -1,0 +1,258 @@
+"""What every method module declares, and the pieces its compressor or strategy is built from.
+
+A method is one way of synchronising gradients. Its module (one file in this folder) defines
+``METHOD``, an instance of one of:
+
+- :class:`CompressionMethod`: what travels (``compression=Compression.<name>``); its compressor
+  carries the collective that moves the :class:`Payload` (:class:`Collective`);
+- :class:`ScheduleMethod`: which gradients travel together, and when (``schedule=<name>``);
+  it builds the strategy (:mod:`hvcomm.torch.methods.strategy`);
+- :class:`DelayMethod`: delayed synchronisation (``delay=<name>``): its step rules, around
+  the machinery of :mod:`hvcomm.torch.methods.delayed`.
+
+Each also predicts its iteration time for the simulator from a :class:`Case` (``predict``).
+Nothing here imports an MPI library: the simulator and the advisor read these modules without
+one (the collectives import MPI when they run).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from collectives.errors import HvcommError
+
+
+# -- what a prediction reads -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One prediction's input (built by :func:`hvcomm.sim.simulate.iteration`): one worker's
+    ``trace`` (a :class:`hvcomm.sim.simulate.LayerTrace`), ``workers`` > 1, the network's
+    :class:`collectives.cost.AlphaBeta` ``ab``, the local ``compute`` costs per element
+    (:class:`hvcomm.sim.simulate.ComputeCost`), the methods' settings, and ``local_s``: a
+    measured per-iteration local cost that replaces the modelled one (None: modelled)."""
+
+    trace: Any
+    workers: int
+    ab: Any
+    compute: Any
+    density: float = 0.001
+    threshold_bytes: int = 25 << 20
+    slice_elems: int = 50_000
+    delay_k: int = 5
+    rank: int = 4
+    local_s: Optional[float] = None
+
+    def local(self, modelled_s: float = 0.0) -> float:
+        """The local cost on the critical path: measured if given, else ``modelled_s``."""
+        return self.local_s if self.local_s is not None else modelled_s
+
+    @property
+    def k(self) -> int:
+        """Top-k's k for the whole model at ``density``."""
+        return max(int(self.density * self.trace.params), 1)
+
+
+# -- what travels ------------------------------------------------------------------------------
+@dataclass
+class Payload:
+    """What a compressor made of one flat gradient: ``data`` travels (a tensor, or sparse
+    ``(indices, values)`` NumPy arrays); the rest is what rebuilding the dense sum needs:
+    ``numel`` and ``dtype`` of the flat gradient, ``k`` pairs (sparse), the positions every
+    rank chose alike (``indices``, random-k), and the context of a compressor that has
+    Horovod's interface alone (``ctx``, as its ``compress`` returned it)."""
+
+    data: Any
+    numel: int
+    dtype: torch.dtype
+    k: int = 0
+    indices: Optional[torch.Tensor] = None
+    ctx: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        parts = self.data if isinstance(self.data, tuple) else (self.data,)
+        return sum(p.nbytes if hasattr(p, "nbytes") else p.numel() * p.element_size()
+                   for p in parts)
+
+
+class Collective:
+    """How a payload travels: ``run(comm, payload)`` (on the engine thread) returns the
+    result that ``decode`` reads and the bytes this rank sent. ``label``: its name on the
+    timeline."""
+
+    label = "collective"
+
+    def run(self, comm, payload: Payload) -> Tuple[Any, float]:
+        raise NotImplementedError
+
+
+def ring_bytes(comm, nbytes: int) -> float:
+    """What one rank sends in a ring allreduce of ``nbytes``."""
+    return 2 * (comm.Get_size() - 1) / comm.Get_size() * nbytes
+
+
+class Allreduce(Collective):
+    """The payload's tensor summed over the ranks in place."""
+
+    label = "allreduce"
+
+    def run(self, comm, payload):
+        from ..ops import sum_in_place
+        from .buckets import as_numpy
+        buf = as_numpy(payload.data)
+        sum_in_place(comm, buf)
+        return payload.data, ring_bytes(comm, buf.nbytes)
+
+
+class Adasum(Collective):
+    """The payload's tensor combined by Horovod's adaptive summation (``op=Adasum``)."""
+
+    label = "adasum"
+
+    def run(self, comm, payload):
+        from ..ops import adasum_
+        adasum_(comm, payload.data)
+        return payload.data, ring_bytes(comm, payload.data.nbytes)
+
+
+ALLREDUCE, ADASUM = Allreduce(), Adasum()
+
+
+class Compressor:
+    """A compressor: ``encode`` a flat gradient into a :class:`Payload` whose ``collective``
+    sums it over the ranks, then ``decode`` the result into the dense sum. ``scope``:
+    "layer" (each tensor alone), "model" (one buffer for the whole model) or "bucket" (the
+    optimizer's fusion buckets). ``error_feedback``: what was not sent is kept
+    (:mod:`hvcomm.torch.methods.memory`) and added to the next step's gradient.
+
+    Horovod's interface is kept on top: ``compress(tensor) -> (data, ctx)`` and
+    ``decompress(data, ctx)``, ctx being the payload."""
+
+    collective: Collective = ALLREDUCE
+    scope = "bucket"
+    error_feedback = False
+    sends_as_is = False   # True for the identity (dense gradients as they are)
+
+    def encode(self, tensor: torch.Tensor, step: int = 0, key: str = "",
+               shapes: Sequence[Tuple[int, ...]] = ()) -> Payload:
+        """``tensor``: a flat gradient (a bucket's), at synchronisation ``step``; ``key``
+        names the bucket; ``shapes``: its parameters' shapes, in order (empty if unknown)."""
+        raise NotImplementedError
+
+    def decode(self, result: Any, payload: Payload) -> torch.Tensor:
+        raise NotImplementedError
+
+    def residual(self, acc: torch.Tensor, payload: Payload) -> torch.Tensor:
+        """What of ``acc`` the payload does not carry (before communication, as in GRACE's
+        compensate -> compress -> update memory -> communicate); may reuse ``acc``."""
+        raise NotImplementedError
+
+    def settle(self, residual: torch.Tensor, payload: Payload, result: Any) -> None:
+        """After communication: put back into ``residual`` what was sent but not applied."""
+
+    def problem(self, dtypes, size: int) -> Optional[str]:
+        """Why this compressor cannot serve these gradient dtypes / communicator size."""
+        return None
+
+    def state_dict(self) -> Optional[dict]:
+        """State the compressor keeps between steps, for the checkpoint (None: none)."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    # Horovod's interface
+    def compress(self, tensor: torch.Tensor, step: int = 0, key: str = ""):
+        payload = self.encode(tensor, step, key)
+        return payload.data, payload
+
+    def decompress(self, data: Any, ctx: Payload) -> torch.Tensor:
+        return self.decode(data, ctx)
+
+
+def check_density(density: float) -> float:
+    if not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise HvcommError(f"density must be in (0, 1], got {density!r}")
+    return float(density)
+
+
+def check_scope(scope: str) -> str:
+    if scope not in ("layer", "model", "bucket"):
+        raise HvcommError(f"scope must be 'layer', 'model' or 'bucket', got {scope!r}")
+    return scope
+
+
+def float_problem(dtypes, name: str) -> Optional[str]:
+    bad = sorted({str(d) for d in dtypes} - {"torch.float32", "torch.float64"})
+    if bad:
+        return f"{name} needs float32 or float64 gradients, got {bad}"
+    return None
+
+
+def zero_at(acc: torch.Tensor, indices) -> torch.Tensor:
+    """``acc`` with the sent positions zeroed (the residual of a selection)."""
+    if isinstance(indices, np.ndarray):
+        indices = torch.from_numpy(indices.astype(np.int64))
+    acc.view(-1)[indices] = 0
+    return acc
+
+
+# -- methods -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Method:
+    """``name``: the method's one name (API, simulator, advisor, replay, main job, results/).
+    ``simulated``: whether the simulator has a row for it."""
+
+    name: str
+    summary: str
+
+    role = ""
+    simulated = True
+
+    def predict(self, case: Case) -> float:
+        """The iteration time (s) at ``case.workers`` > 1 workers."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CompressionMethod(Method):
+    """``factory``: ``Compression.<name>``, the compressor itself (no parameters) or its
+    class (parameters)."""
+
+    factory: Any = None
+    role = "compression"
+
+
+class ScheduleMethod(Method):
+    """A way of grouping and ordering the messages; builds the strategy for
+    ``DistributedOptimizer(schedule=<name>)``; ``takes_model``: it reads ``model=``."""
+
+    role = "schedule"
+    takes_model = False
+
+    def problem(self, o, params: Sequence[torch.nn.Parameter]) -> Optional[str]:
+        """This rank's first problem with the optimizer's options for this schedule."""
+        return None
+
+    def strategy(self, setup):
+        """The strategy (a :class:`hvcomm.torch.methods.strategy.Strategy`) for ``setup``
+        (:class:`hvcomm.torch.methods.strategy.Setup`)."""
+        raise NotImplementedError
+
+
+class DelayMethod(Method):
+    """Delayed synchronisation: which delayed steps reset the local weights, which go in
+    full precision, and whether it needs a compressor (see
+    :mod:`hvcomm.torch.methods.delayed`)."""
+
+    role = "delay"
+    needs_compressor = False
+
+    def is_reset(self, delayed_index: int, k: int) -> bool:
+        return True
+
+    def is_full_precision(self, delayed_index: int, k: int) -> bool:
+        return False

@@ -1,0 +1,46 @@
+"""gTop-k (Shi et al., ICDCS 2019): top-k selection reduced by gTopKAllReduce, a log P tree that
+keeps the k largest of the merged pairs at each level, so every rank ends with the same global
+top-k. Pairs that do not reach the global top-k (at any tree level) stay in the residual."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import collectives as C
+from collectives.cost import gtopk_allreduce_s
+from collectives.sparse import ceil_log2
+
+from .base import Collective, CompressionMethod
+from .topk import TopKCompressor, sparse_after_backward_s
+
+
+class GTopKAllReduce(Collective):
+    label = "gtopk"
+
+    def run(self, comm, payload):
+        res = C.gtopk_allreduce(comm, *payload.data, payload.numel, payload.k, check=False)
+        return res, res.sent_bytes
+
+
+class GTopKCompressor(TopKCompressor):
+    """Top-k selection (as :class:`TopKCompressor`) reduced by gTopKAllReduce."""
+
+    collective = GTopKAllReduce()
+    name = "gtopk"
+
+    def settle(self, residual, payload, result):
+        lost = ~result.reached
+        residual.view(-1)[torch.from_numpy(payload.data[0][lost].astype(np.int64))] += \
+            torch.from_numpy(payload.data[1][lost])
+
+
+class GTopK(CompressionMethod):
+    def predict(self, case):
+        p, k = case.workers, case.k
+        pair = 4 + case.trace.bytes_per_param
+        return sparse_after_backward_s(case, gtopk_allreduce_s(p, k, pair, case.ab)
+                                       + ceil_log2(p) * 2 * k * case.compute.merge_s_per_pair)
+
+
+METHOD = GTopK("gtopk", "global top-k by gTopKAllReduce (log P tree), error feedback",
+               factory=GTopKCompressor)

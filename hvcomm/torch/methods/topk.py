@@ -1,0 +1,98 @@
+"""Top-k sparsification summed by Top-k AllGather: each rank sends its k largest
+|gradient + residual| as (index, value) pairs; every rank gathers all P*k pairs and sums them.
+What was not sent stays in the residual (error feedback)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import collectives as C
+from collectives.cost import topk_allgather_s
+from collectives.errors import HvcommError
+from collectives.sparse import index_dtype
+
+from .base import (Collective, CompressionMethod, Compressor, Payload, check_density, check_scope,
+                   float_problem, zero_at)
+from .selection import SampledTopk, exact_topk
+
+DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # DGC's densities before the final one
+
+
+class TopKAllGather(Collective):
+    label = "allgather"
+
+    def run(self, comm, payload):
+        res = C.topk_allgather(comm, *payload.data, payload.numel, payload.k, check=False)
+        return res, res.sent_bytes
+
+
+class TopKCompressor(Compressor):
+    """Each rank's k largest |gradient + residual|.
+
+    ``warmup_steps`` > 0 follows DGC's density warm-up (25%, 6.25%, 1.5625%, 0.4%, then
+    ``density``), each stage a quarter of the warm-up. ``selector``: "sampled" (fast,
+    exact whenever its threshold passes k elements) or "exact".
+    """
+
+    collective = TopKAllGather()
+    error_feedback = True
+    name = "topk"
+
+    def __init__(self, density: float, selector: str = "sampled", warmup_steps: int = 0,
+                 scope: str = "layer"):
+        self.density = check_density(density)
+        if selector not in ("sampled", "exact"):
+            raise HvcommError(f"selector must be 'sampled' or 'exact', got {selector!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise HvcommError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.selector, self.warmup_steps, self.scope = selector, warmup_steps, check_scope(scope)
+        self._select = SampledTopk() if selector == "sampled" else exact_topk
+
+    def density_at(self, step: int) -> float:
+        if step >= self.warmup_steps:
+            return self.density
+        stage = step * len(DGC_WARMUP) // self.warmup_steps
+        return max(DGC_WARMUP[stage], self.density)
+
+    def k_for(self, n: int, step: int) -> int:
+        return min(n, max(1, int(self.density_at(step) * n)))
+
+    def encode(self, tensor, step=0, key="", shapes=()):
+        x = tensor.detach().reshape(-1).numpy()
+        k = self.k_for(x.size, step)
+        idx = np.sort(self._select(x, k)).astype(index_dtype(x.size))
+        return Payload((idx, np.ascontiguousarray(x[idx])), x.size, tensor.dtype, k=k)
+
+    def decode(self, result, payload):
+        dense = torch.zeros(payload.numel, dtype=payload.dtype)
+        dense[torch.from_numpy(result.indices.astype(np.int64))] = torch.from_numpy(result.values)
+        return dense
+
+    def residual(self, acc, payload):
+        return zero_at(acc, payload.data[0])
+
+    def problem(self, dtypes, size):
+        return float_problem(dtypes, repr(self))
+
+    def __repr__(self):
+        return (f"Compression.{self.name}(density={self.density}, selector={self.selector!r}, "
+                f"warmup_steps={self.warmup_steps}, scope={self.scope!r})")
+
+
+def sparse_after_backward_s(case, comm_s: float) -> float:
+    """One message of k pairs after backward: the computation, the selection over the d
+    gradients (or the measured local cost) and ``comm_s``."""
+    d = case.trace.params
+    return case.trace.compute_s + case.local(d * case.compute.select_s_per_element) + comm_s
+
+
+class TopK(CompressionMethod):
+    def predict(self, case):
+        p, k = case.workers, case.k
+        pair = 4 + case.trace.bytes_per_param
+        return sparse_after_backward_s(case, topk_allgather_s(p, k, pair, case.ab)
+                                       + p * k * case.compute.sum_s_per_pair)
+
+
+METHOD = TopK("topk", "top-k pairs summed by Top-k AllGather, error feedback",
+              factory=TopKCompressor)
