@@ -3,6 +3,8 @@ check, before a batch job starts, that the environment matches the MPI it will l
 
     python -m hvcomm.cluster.launch check --mpirun PATH     # the ranks start under this mpirun
     python -m hvcomm.cluster.launch check --srun            # the ranks start under srun --mpi=pmix
+
+(``hvcomm-launch-check ARGS`` is ``python -m hvcomm.cluster.launch check ARGS``.)
 """
 from __future__ import annotations
 
@@ -124,6 +126,12 @@ def main(argv=None) -> int:
         return 2
     print(f"hvcomm: environment {sys.prefix}, {mpi_library()}")
     return 0
+
+
+def check_main(argv=None) -> int:
+    """``hvcomm-launch-check [--mpirun PATH | --srun] [--site-mpi]``: the console script for
+    ``python -m hvcomm.cluster.launch check``."""
+    return main(["check", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
