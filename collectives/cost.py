@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-from mpi4py import MPI
 
-from .sparse import ceil_log2
+from .plans import ceil_log2
+
+if TYPE_CHECKING:  # the formulas need no MPI library; the measurements import it when called
+    from mpi4py import MPI
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Calibration:
 def slowest_times(comm: MPI.Comm, fn, repeats: int) -> np.ndarray:
     """The slowest rank's time of ``fn()`` in each of ``repeats`` calls, each started after
     a barrier (one untimed call first)."""
+    from mpi4py import MPI
     fn()
     times = []
     for _ in range(repeats):

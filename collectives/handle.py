@@ -1,11 +1,12 @@
 """A request-like handle that drives a multi-round schedule written as a generator."""
 from __future__ import annotations
 
-from typing import Any, Generator, List
+from typing import TYPE_CHECKING, Any, Generator, List
 
-from mpi4py import MPI
+if TYPE_CHECKING:  # mpi4py's MPI is imported on first use, so that importing needs no MPI library
+    from mpi4py import MPI
 
-Schedule = Generator[List[MPI.Request], None, Any]
+Schedule = Generator[List["MPI.Request"], None, Any]
 
 
 class Pending:
@@ -30,12 +31,14 @@ class Pending:
 
     def test(self) -> bool:
         """Make what progress is possible without blocking; True once finished."""
+        from mpi4py import MPI
         while not self._done and MPI.Request.Testall(self._requests):
             self._advance()
         return self._done
 
     def wait(self) -> Any:
         """Block until finished and return the result."""
+        from mpi4py import MPI
         while not self._done:
             MPI.Request.Waitall(self._requests)
             self._advance()

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
 from . import kernels
 from .errors import HvcommError
 from .handle import Pending
+from .plans import ceil_log2, index_dtype  # noqa: F401 (re-exported: they were defined here)
 from .workspace import Workspace, pooled
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 DEFAULT_TAG = 7301
@@ -35,15 +38,6 @@ class SparseResult:
     reached: np.ndarray
     sent_bytes: int = 0
     compute_s: float = 0.0
-
-
-def index_dtype(d: int) -> np.dtype:
-    """int32 where every index of a length-d vector fits, else int64."""
-    return np.dtype(np.int32) if d <= 2**31 else np.dtype(np.int64)
-
-
-def ceil_log2(p: int) -> int:
-    return max(p - 1, 0).bit_length()
 
 
 def _largest(val: np.ndarray, k: int, ws: Optional[Workspace] = None) -> np.ndarray:

