@@ -8,7 +8,7 @@ import torch
 
 import collectives as C
 from collectives.cost import gtopk_allreduce_s
-from collectives.sparse import ceil_log2
+from collectives.plans import ceil_log2
 
 from .base import Collective, CompressionMethod
 from .topk import TopKCompressor, sparse_after_backward_s

@@ -9,7 +9,7 @@ import torch
 import collectives as C
 from collectives.cost import topk_allgather_s
 from collectives.errors import HvcommError
-from collectives.sparse import index_dtype
+from collectives.plans import index_dtype
 
 from .base import (Collective, CompressionMethod, Compressor, Payload, check_density, check_scope,
                    float_problem, zero_at)
