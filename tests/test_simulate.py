@@ -80,6 +80,18 @@ def test_delayed_family_with_slow_network():
     assert ms("cd-sgd", big, 4, delay_k=1) == pytest.approx(48.06 + 0.5)
 
 
+def test_fp16_twobit_and_randomk_send_fewer_bytes():
+    # ring at P=4 of one bucket: 2*3*10 us = 60 us + 2*3/4 * bytes * 8 ns, after 3 ms, + 0.5 ms
+    assert ms("fp16", ONE, 4) == pytest.approx(3.5 + (60 + 1.5 * 2000 * 8e-3) / 1e3)
+    assert ms("twobit", ONE, 4, compute=FREE) == pytest.approx(3.5 + (60 + 1.5 * 1000 * 8e-3) / 1e3)
+    # quantisation: one pass over the 1000 gradients at 1 ns each, on the critical path
+    assert ms("twobit", ONE, 4, compute=S.ComputeCost(1e-9, 0.0, 0.0)) == \
+        pytest.approx(3.5 + (60 + 12 + 1) / 1e3)
+    # P=2, density 0.1: l1's 300 values (1200 B) ready at 2 ms end at 2.0296 ms; l0's 100
+    # values (400 B) ready at 4 ms take 20 + 3.2 us; + 0.5 ms update
+    assert ms("randomk", TWO, 2, density=0.1, compute=FREE) == pytest.approx(4.5232)
+
+
 def test_p3_waits_per_layer_in_the_next_forward():
     # P=2, slices of 1000: l1 (3000) is 3 slices, l0 one; each slice carries a readiness
     # vector of 2 x 4 B: 20 us + 4008 B * 8 ns = 52.064 us; a readiness exchange of 2 x 8 B:
