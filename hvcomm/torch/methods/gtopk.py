@@ -6,26 +6,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import collectives as C
 from collectives.cost import gtopk_allreduce_s
 from collectives.plans import ceil_log2
 
-from .base import Collective, CompressionMethod
-from .topk import TopKCompressor, sparse_after_backward_s
-
-
-class GTopKAllReduce(Collective):
-    label = "gtopk"
-
-    def run(self, comm, payload):
-        res = C.gtopk_allreduce(comm, *payload.data, payload.numel, payload.k, check=False)
-        return res, res.sent_bytes
+from .base import CompressionMethod
+from .topk import SparsePairs, TopKCompressor, sparse_after_backward_s
 
 
 class GTopKCompressor(TopKCompressor):
     """Top-k selection (as :class:`TopKCompressor`) reduced by gTopKAllReduce."""
 
-    collective = GTopKAllReduce()
+    collective = SparsePairs("gtopk", "gtopk_allreduce")
     name = "gtopk"
 
     def settle(self, residual, payload, result):

@@ -18,11 +18,16 @@ from .selection import SampledTopk, exact_topk
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # DGC's densities before the final one
 
 
-class TopKAllGather(Collective):
-    label = "allgather"
+class SparsePairs(Collective):
+    """Each rank's k (index, value) pairs summed by the sparse collective of
+    :mod:`collectives` named ``function`` (its result has the sum and what this rank sent)."""
+
+    def __init__(self, label: str, function: str):
+        self.label, self.function = label, function
 
     def run(self, comm, payload):
-        res = C.topk_allgather(comm, *payload.data, payload.numel, payload.k, check=False)
+        res = getattr(C, self.function)(comm, *payload.data, payload.numel, payload.k,
+                                        check=False)
         return res, res.sent_bytes
 
 
@@ -34,7 +39,7 @@ class TopKCompressor(Compressor):
     exact whenever its threshold passes k elements) or "exact".
     """
 
-    collective = TopKAllGather()
+    collective = SparsePairs("allgather", "topk_allgather")
     error_feedback = True
     name = "topk"
 
