@@ -34,30 +34,12 @@ PREDICTION = ("hvcomm.sim.simulate with alpha and beta measured in the same mpir
               "gradients, less its alphas, over 2(P-1)/P of its bytes), each method's local "
               "cost from the P ranks alone, and this machine's merge/sum costs "
               "(COMPUTE['cpu'])")
-# MG-WFBP profiles (1 skipped + 3 steps), then races up to 4 plans (1 warm-up + TRIAL_STEPS
-# each) before it keeps one: its untimed steps are that many more, so none of the race is timed
+# A schedule that races plans (MG-WFBP) profiles (1 skipped + 3 steps), then races up to 4 plans
+# (1 warm-up + TRIAL_STEPS each) before it keeps one: its untimed steps are that many more, so
+# none of the race is timed
 TRIAL_STEPS = 2
 RACE_STEPS = 1 + 3 + 4 * (1 + TRIAL_STEPS)
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
-
-
-def optimizer_options(method: str, density: float, hvd, model) -> dict:
-    if method == "p3":  # with the model, each layer's next forward waits for its slices only
-        return {"schedule": "p3", "model": model}
-    if method == "mgwfbp":
-        return {"schedule": method, "trial_steps": TRIAL_STEPS}
-    if methods.get(method).role == "schedule":
-        return {"schedule": method}
-    if method == "topk":
-        return {"compression": hvd.Compression.topk(density, scope="model")}
-    if method == "gtopk":
-        return {"compression": hvd.Compression.gtopk(density, scope="model")}
-    if method == "cd-sgd":
-        return {"delay": hvd.Delay(mode=method, warmup_steps=2),
-                "compression": hvd.Compression.twobit(0.5)}
-    if methods.get(method).role == "delay":
-        return {"delay": hvd.Delay(mode=method, warmup_steps=2)}
-    raise SystemExit(f"replay: no configuration for {method!r} yet")
 
 
 def train_step(opt, model) -> None:
@@ -113,9 +95,12 @@ def worker(args) -> None:
         model = ReplayModel(trace, rank=comm.rank)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
                                        named_parameters=model.named_parameters(),
-                                       **optimizer_options(method, args.density, hvd, model))
+                                       **methods.get(method).optimizer_options(
+                                           args.density, model, warmup_steps=2,
+                                           trial_steps=TRIAL_STEPS))
         step = functools.partial(train_step, opt, model)
-        for _ in range(args.warmup + (RACE_STEPS if method == "mgwfbp" else 0)):
+        races = getattr(methods.get(method), "race_against", ())
+        for _ in range(args.warmup + (RACE_STEPS if races else 0)):
             step()
         rows[method] = mean_step_s(comm, step, args.steps)
         if hasattr(opt, "finish_pending"):

@@ -216,6 +216,13 @@ class Method:
         """The iteration time (s) at ``case.workers`` > 1 workers."""
         raise NotImplementedError
 
+    def optimizer_options(self, density: float = 0.001, model=None, warmup_steps: int = 100,
+                          trial_steps: int = 5) -> dict:
+        """``DistributedOptimizer``'s keyword arguments that run this method as the simulator
+        models it (the replay's): ``density`` for the sparse methods, ``model`` for those that
+        take it, the delayed methods' ``warmup_steps``, the raced schedules' ``trial_steps``."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class CompressionMethod(Method):
@@ -224,6 +231,15 @@ class CompressionMethod(Method):
 
     factory: Any = None
     role = "compression"
+    takes_density = False   # the factory's first argument is the density (a sparse method)
+
+    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
+        """The compressor with its defaults; a sparse method's with ``density``, selecting
+        over the whole model (as the simulator models it: one message after backward)."""
+        f = self.factory
+        if isinstance(f, Compressor):
+            return {"compression": f}
+        return {"compression": f(density, scope="model") if self.takes_density else f()}
 
 
 class ScheduleMethod(Method):

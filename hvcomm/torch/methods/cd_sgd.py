@@ -6,6 +6,7 @@ after 8 epochs of the digits job with 2-bit threshold 0.5)."""
 from __future__ import annotations
 
 from .delayed import DelayedMethod, delayed_s
+from .twobit import TwoBitCompressor
 
 
 class CDSGD(DelayedMethod):
@@ -17,6 +18,11 @@ class CDSGD(DelayedMethod):
     def predict(self, case):
         """1-byte codes (2-bit quantisation summed as int8) on k-1 of every k steps."""
         return delayed_s(case, coded_bytes_per_param=1, k=case.delay_k)
+
+    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
+        """With CD-SGD's own compressor, 2-bit codes of threshold 0.5."""
+        return {**super().optimizer_options(density, model, warmup_steps, trial_steps),
+                "compression": TwoBitCompressor(0.5)}
 
 
 METHOD = CDSGD("cd-sgd", "delayed allreduce of compressed gradients, full precision every k")

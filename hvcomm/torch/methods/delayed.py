@@ -271,3 +271,6 @@ class DelayedMethod(DelayMethod):
 
     def predict(self, case):
         return delayed_s(case)
+
+    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
+        return {"delay": Delay(self.name, warmup_steps=warmup_steps)}

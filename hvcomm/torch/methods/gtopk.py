@@ -26,6 +26,8 @@ class GTopKCompressor(TopKCompressor):
 
 
 class GTopK(CompressionMethod):
+    takes_density = True
+
     def predict(self, case):
         p, k = case.workers, case.k
         pair = 4 + case.trace.bytes_per_param

@@ -354,5 +354,9 @@ class P3Schedule(ScheduleMethod):
     def predict(self, case):
         return p3_period_s(case) + case.local()
 
+    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
+        """With ``model``, each layer's next forward waits for its own slices only."""
+        return {"schedule": self.name, "model": model}
+
 
 METHOD = P3Schedule("p3", "P3: priority slices, the layer nearest the input first")

@@ -62,6 +62,8 @@ class RandomKCompressor(Compressor):
 
 
 class RandomK(CompressionMethod):
+    takes_density = True
+
     def predict(self, case):
         """Each layer's k values allreduced as soon as its gradient is ready (scope "layer"):
         the WFBP pipeline with ``density`` of each layer's bytes."""

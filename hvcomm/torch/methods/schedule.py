@@ -267,6 +267,9 @@ class PlannedSchedule(ScheduleMethod):
     def predict(self, case) -> float:
         return dense_schedule_s(case, self.plan)
 
+    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
+        return {"schedule": self.name, "trial_steps": trial_steps}
+
     def problem(self, o, params):
         if getattr(o.compression, "scope", "bucket") != "bucket":
             return (f"schedule={self.name!r} plans the buckets, but the compressor's scope is "

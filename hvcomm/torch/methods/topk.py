@@ -92,6 +92,8 @@ def sparse_after_backward_s(case, comm_s: float) -> float:
 
 
 class TopK(CompressionMethod):
+    takes_density = True
+
     def predict(self, case):
         p, k = case.workers, case.k
         pair = 4 + case.trace.bytes_per_param
