@@ -1,5 +1,6 @@
-"""Shared by the MPI tests: the size check, named checks, one verdict for all ranks
-(the pytest suites get theirs from conftest.py, which uses the same size check)."""
+"""Shared by the MPI tests: the size check, expect_everywhere, and ``Checks`` (the one-verdict
+runner of the scripts that are programs, not pytest suites: check_netem.py,
+check_reproducible.py, train_resumable.py; the pytest suites agree through conftest.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,14 +1,24 @@
 """hvcomm's DistributedOptimizer and Horovod's, side by side in one job: same weights."""
-import sys
+import pytest
+import torch
+from mpi4py import MPI  # mpi4py first, then Horovod on its communicator
 
-from mpi4py import MPI  # noqa: F401 - mpi4py first, then Horovod on its communicator
+import hvcomm.torch as hvd
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
-from check_optimizer import BATCH, Net, assert_close, data, loss_fn, make_opt, shard  # noqa: E402
+from harness import default_dtype
+from training import BATCH, Net, assert_close, data, loss_fn, make_opt, shard
 
-import horovod.torch as horovod  # noqa: E402
-import hvcomm.torch as hvd  # noqa: E402
+horovod = pytest.importorskip("horovod.torch",
+                              reason="Horovod is not installed (scripts/setup_env.sh builds it)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    with default_dtype(torch.float64):
+        horovod.init(comm=MPI.COMM_WORLD)
+        hvd.init()
+        assert horovod.size() == hvd.size()
+        yield
 
 
 def train(module, steps, passes, compression_name):
@@ -28,22 +38,12 @@ def train(module, steps, passes, compression_name):
     return model
 
 
-def check_same(passes, compression_name, tol):
+@pytest.mark.parametrize("passes, compression_name, tol", [
+    pytest.param(1, "none", 1e-12, id="dense"),
+    pytest.param(2, "none", 1e-12, id="backward_passes_per_step=2"),
+    pytest.param(1, "fp16", 1e-3, id="fp16-compression"),
+])
+def test_same_weights(passes, compression_name, tol):
     ours = train(hvd, 5, passes, compression_name)
     theirs = train(horovod, 5, passes, compression_name)
     assert_close(ours, theirs, tol=tol)
-
-
-def main():
-    horovod.init(comm=MPI.COMM_WORLD)
-    hvd.init()
-    checks = Checks()
-    assert horovod.size() == hvd.size()
-    checks.run("dense", check_same, 1, "none", 1e-12)
-    checks.run("backward_passes_per_step=2", check_same, 2, "none", 1e-12)
-    checks.run("fp16 compression", check_same, 1, "fp16", 1e-3)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()
