@@ -31,10 +31,12 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 180, check_ok: bool
 
 
 def pytest_argv(test_file: str, *pytest_args: str) -> list:
-    """``-m pytest ...`` for ``tests/mpi/<test_file>`` (no cache: the ranks would all write it;
-    no colour: Open MPI gives the ranks a terminal)."""
+    """``-m pytest ...`` for ``tests/mpi/<test_file>``: no cache (the ranks would all write
+    it), no colour (Open MPI gives the ranks a terminal), and no Hypothesis plugin (it imports
+    Hypothesis at the end of every session, about 0.5 s of CPU per rank; @given tests run the
+    same examples without it)."""
     return ["-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
-            str(HERE / "mpi" / test_file), *pytest_args]
+            "-p", "no:hypothesispytest", str(HERE / "mpi" / test_file), *pytest_args]
 
 
 COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)\b")
