@@ -36,6 +36,7 @@ from harness import wrong_size
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 _comm = None  # a duplicate of COMM_WORLD for the verdicts, set up in pytest_configure
+_devnull = None  # where the report of a rank > 0 goes
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal plugin has made its reporter
@@ -47,9 +48,13 @@ def pytest_configure(config):
     _comm = WORLD.Dup()
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if RANK != 0 and reporter is not None:
+        # pytest offers no public way to point its reporter elsewhere once it exists; its
+        # writer is reporter._tw (-p no:terminal would also silence it, but must be given
+        # on the command line, and on rank 0 it is not wanted)
         from _pytest.config import create_terminal_writer
-        config._mpi_devnull = open(os.devnull, "w")
-        reporter._tw = create_terminal_writer(config, config._mpi_devnull)
+        global _devnull
+        _devnull = open(os.devnull, "w")
+        reporter._tw = create_terminal_writer(config, _devnull)
 
 
 def pytest_unconfigure(config):
@@ -57,9 +62,8 @@ def pytest_unconfigure(config):
         sys.stdout.flush()
         _comm.Barrier()  # rank 0's report is out before any rank may end the job
         _comm.Free()
-    devnull = getattr(config, "_mpi_devnull", None)
-    if devnull is not None:
-        devnull.close()
+    if _devnull is not None:
+        _devnull.close()
 
 
 def pytest_collection_finish(session):
