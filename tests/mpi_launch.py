@@ -1,6 +1,9 @@
-"""Launch an MPI test script under the venv's own mpirun, with a timeout and a size check."""
+"""Launch the MPI tests under the venv's own mpirun, with a timeout and a size check:
+``mpi_pytest`` runs a pytest suite of tests/mpi on n ranks (tests/mpi/conftest.py makes the
+ranks agree on every verdict), ``mpirun`` runs one of the scripts there that are programs."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from hvcomm.cluster import launch
@@ -24,4 +27,47 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 180, check_ok: bool
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{script} on {n} ranks exited {proc.returncode}:\n{out[-6000:]}"
         assert f"OK size={n}" in proc.stdout, f"{script} on {n} ranks did not report OK:\n{out[-6000:]}"
+    return proc
+
+
+def pytest_argv(test_file: str, *pytest_args: str) -> list:
+    """``-m pytest ...`` for ``tests/mpi/<test_file>``: no cache (the ranks would all write
+    it), no colour (Open MPI gives the ranks a terminal), and no Hypothesis plugin (it imports
+    Hypothesis at the end of every session, about 0.5 s of CPU per rank; @given tests run the
+    same examples without it)."""
+    return ["-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
+            "-p", "no:hypothesispytest", str(HERE / "mpi" / test_file), *pytest_args]
+
+
+COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)\b")
+
+
+def summary_counts(stdout: str) -> dict:
+    """The counts of pytest's summary line ("1 failed, 11 passed in 3.21s"), e.g.
+    {"passed": 11, "failed": 1}; {} if there is none."""
+    for line in reversed(re.sub(r"\x1b\[[0-9;]*m", "", stdout).splitlines()):
+        if re.search(r" in \d+(\.\d+)?s\b", line) and (COUNT.search(line) or "no tests ran" in line):
+            return {what.rstrip("s") if what in ("errors", "warnings") else what: int(number)
+                    for number, what in COUNT.findall(line)}
+    return {}
+
+
+def check_passed(proc, what: str) -> dict:
+    """The run exited 0 and its summary counts some passed tests and no failed ones."""
+    out = proc.stdout + proc.stderr
+    counts = summary_counts(proc.stdout)
+    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{out[-8000:]}"
+    assert counts.get("passed", 0) > 0, f"{what}: no test passed ({counts}):\n{out[-8000:]}"
+    assert not (counts.get("failed") or counts.get("error")), f"{what}: {counts}:\n{out[-8000:]}"
+    return counts
+
+
+def mpi_pytest(n: int, test_file: str, *pytest_args: str, timeout: float = 180):
+    """Run the pytest suite ``tests/mpi/<test_file>`` on n ranks: it must exit 0 and report
+    passed tests and no failures (rank 0 prints the report). Returns the CompletedProcess.
+    N unconnected one-rank jobs (a wrong mpirun) fail the size check in tests/mpi/conftest.py.
+    """
+    proc = launch.run(n, pytest_argv(test_file, *pytest_args), timeout=timeout,
+                      env={"HVCOMM_TEST_EXPECT_SIZE": str(n)})
+    check_passed(proc, f"{test_file} on {n} ranks")
     return proc

@@ -7,26 +7,26 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import HERE, mpi_env, mpirun
+from mpi_launch import check_passed, mpi_env, mpi_pytest, mpirun, pytest_argv, summary_counts
 
 SIZES = [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("n", SIZES)
 def test_collective_api(n):
-    mpirun(n, "check_torch_api.py")
+    mpi_pytest(n, "test_torch_api.py")
 
 
 @pytest.mark.parametrize("n", SIZES)
 def test_distributed_optimizer(n):
-    mpirun(n, "check_optimizer.py", timeout=240)
+    mpi_pytest(n, "test_optimizer.py", timeout=240)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
                     reason="Horovod is not installed (scripts/setup_env.sh builds it)")
 @pytest.mark.parametrize("n", [2, 3])
 def test_same_weights_as_horovod(n):
-    mpirun(n, "check_vs_horovod.py", timeout=240)
+    mpi_pytest(n, "test_vs_horovod.py", timeout=240)
 
 
 def test_failure_on_one_rank_ends_the_job():
@@ -41,10 +41,10 @@ def test_failure_on_one_rank_ends_the_job():
 def test_unconnected_ranks_are_detected():
     """What a wrong mpirun produces: one-rank jobs that each believe they are the world."""
     env = mpi_env(2)
-    proc = subprocess.run([sys.executable, str(HERE / "mpi" / "check_torch_api.py")], env=env,
+    proc = subprocess.run([sys.executable, *pytest_argv("test_torch_api.py")], env=env,
                           capture_output=True, text=True, timeout=90)
-    assert proc.returncode != 0 and "wrong mpirun" in proc.stderr
-    assert "OK size" not in proc.stdout
+    assert proc.returncode != 0 and "wrong mpirun" in proc.stderr, proc.stdout + proc.stderr
+    assert "passed" not in summary_counts(proc.stdout)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="Horovod is not installed")
@@ -53,23 +53,22 @@ def test_horovodrun_launches_an_hvcomm_job():
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # horovodrun calls mpirun
     cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", "localhost:2",
            "--mpi", "--binding-args=--bind-to none --map-by slot --oversubscribe",
-           sys.executable, str(HERE / "mpi" / "check_torch_api.py")]
+           sys.executable, *pytest_argv("test_torch_api.py")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "OK size=2" in proc.stdout
+    check_passed(proc, "test_torch_api.py under horovodrun -np 2")  # conftest checks the size
 
 
 @pytest.mark.parametrize("n", SIZES)
 def test_compression_in_the_optimizer(n):
-    mpirun(n, "check_compression.py", timeout=300)
+    mpi_pytest(n, "test_compression.py", timeout=300)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("script, timeout", [
-    ("check_schedule.py", 400),               # schedules change timing, never weights
-    ("check_delayed.py", 300),                # OD / SSD / CD-SGD
-    ("check_collectives_property.py", 180),   # every collective against a serial reference
-    ("check_horovod_api.py", 180),            # Horovod's API beyond the core
+@pytest.mark.parametrize("test_file, timeout", [
+    ("test_schedule.py", 400),               # schedules change timing, never weights
+    ("test_delayed.py", 300),                # OD / SSD / CD-SGD
+    ("test_collectives_property.py", 180),   # every collective against a serial reference
+    ("test_horovod_api.py", 180),            # Horovod's API beyond the core
 ])
-def test_at_one_to_three_ranks(script, timeout, n):
-    mpirun(n, script, timeout=timeout)
+def test_at_one_to_three_ranks(test_file, timeout, n):
+    mpi_pytest(n, test_file, timeout=timeout)

@@ -1,6 +1,9 @@
-"""Shared by the MPI test scripts: size check, named checks, one verdict for all ranks."""
+"""Shared by the MPI tests: the size check, expect_everywhere, and ``Checks`` (the one-verdict
+runner of the scripts that are programs, not pytest suites: check_netem.py,
+check_reproducible.py, train_resumable.py; the pytest suites agree through conftest.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -8,6 +11,15 @@ import traceback
 from mpi4py import MPI
 
 from collectives.errors import HvcommError
+
+
+def wrong_size(comm=MPI.COMM_WORLD):
+    """The complaint if HVCOMM_TEST_EXPECT_SIZE is set and differs from ``comm``'s size, else
+    None. A wrong mpirun starts N unconnected one-rank jobs, which would all pass alone."""
+    expect = int(os.environ.get("HVCOMM_TEST_EXPECT_SIZE", comm.Get_size()))
+    if comm.Get_size() != expect:
+        return f"launched {comm.Get_size()} connected ranks, expected {expect}: wrong mpirun?"
+    return None
 
 
 def expect_everywhere(call, text):
@@ -20,15 +32,26 @@ def expect_everywhere(call, text):
     raise AssertionError(f"no error mentioning {text!r}")
 
 
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """torch's default dtype set to ``dtype`` inside (as each script's process had it)."""
+    import torch
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 class Checks:
     """Collect failures per rank; ``finish`` combines them so every rank ends alike."""
 
     def __init__(self, comm=MPI.COMM_WORLD):
         self.comm = comm
-        expect = int(os.environ.get("HVCOMM_TEST_EXPECT_SIZE", comm.Get_size()))
-        if comm.Get_size() != expect:
-            print(f"launched {comm.Get_size()} connected ranks, expected {expect}: wrong mpirun?",
-                  file=sys.stderr)
+        problem = wrong_size(comm)
+        if problem:
+            print(problem, file=sys.stderr)
             sys.exit(3)
         self.failures = []
         self.count = 0

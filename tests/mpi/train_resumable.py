@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from harness import Checks  # noqa: E402
-from check_optimizer import Net, data, loss_fn, make_opt, shard  # noqa: E402
+from training import Net, data, loss_fn, make_opt, shard  # noqa: E402
 
 import hvcomm.torch as hvd  # noqa: E402
 

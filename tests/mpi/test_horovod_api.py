@@ -1,16 +1,21 @@
 """The rest of Horovod's API, in hvcomm's own words: process sets, autograd through the
 collectives, join, duplicate names, Adasum, sparse allreduce, the error type, build queries."""
-import sys
-
+import pytest
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks, expect_everywhere  # noqa: E402
+import hvcomm.torch as hvd
 
-import hvcomm.torch as hvd  # noqa: E402
+from harness import default_dtype, expect_everywhere
 
 
-def check_process_sets():
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    with default_dtype(torch.float32):
+        hvd.init()
+        yield
+
+
+def test_process_sets():
     r, n = hvd.rank(), hvd.size()
     evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
     odds = hvd.add_process_set([q for q in range(n) if q % 2 == 1]) if n > 1 else None
@@ -30,7 +35,7 @@ def check_process_sets():
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # the world still works
 
 
-def check_optimizer_on_a_process_set():
+def test_distributed_optimizer_on_a_process_set():
     """Every rank wraps its optimizer with the set of even ranks: they average among
     themselves; an odd rank steps on its own gradient alone (Horovod's behaviour)."""
     r, n = hvd.rank(), hvd.size()
@@ -47,7 +52,7 @@ def check_optimizer_on_a_process_set():
     hvd.remove_process_set(evens)
 
 
-def check_sparse_gradients():
+def test_sparse_gradients():
     """Embedding(sparse=True) trains as the dense Embedding does; the gradient the wrapped
     optimizer sees is sparse again (SparseAdam needs that), with or without sparse_as_dense."""
     r = hvd.rank()
@@ -71,7 +76,7 @@ def check_sparse_gradients():
     opt.step()
 
 
-def check_autograd():
+def test_autograd_through_the_collectives():
     r, n = hvd.rank(), hvd.size()
     x = torch.ones(3, 2, requires_grad=True)
     hvd.allreduce(x, op=hvd.Sum).backward(torch.ones(3, 2))
@@ -93,7 +98,7 @@ def check_autograd():
     assert torch.equal(x.grad, torch.full((2 * n, 3), float(n)))
 
 
-def check_join():
+def test_join():
     r, n = hvd.rank(), hvd.size()
     for first in range(n):
         t = torch.arange(6, dtype=torch.int64).reshape(2, 3) * 33 - 99  # multiples of 3 too
@@ -112,7 +117,7 @@ def check_join():
         assert n == 1 or last != first
 
 
-def check_duplicate_names():
+def test_duplicate_names():
     h = hvd.allreduce_async(torch.ones(2), name="same")
     try:  # Horovod's tests catch a ValueError: HvcommError is one
         hvd.allreduce_async(torch.ones(2), name="same")
@@ -124,7 +129,7 @@ def check_duplicate_names():
     hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="same"))  # free again
 
 
-def check_adasum():
+def test_adasum():
     r, n = hvd.rank(), hvd.size()
     vecs = [torch.tensor([1.0 + q, 2.0 * q - 1, 0.5], dtype=torch.float64) for q in range(n)]
     level = list(vecs)
@@ -149,7 +154,7 @@ def check_adasum():
         assert torch.allclose(hvd.allreduce(e[0], op=hvd.Adasum), e[0])
 
 
-def check_sparse_allreduce():
+def test_sparse_allreduce():
     r, n = hvd.rank(), hvd.size()
     t = torch.sparse_coo_tensor(torch.tensor([[r, 5]]), torch.tensor([1.0, 2.0]), (8,))
     got = hvd.sparse_allreduce_async(t, op=hvd.Sum)().to_dense()  # a handle to call
@@ -160,7 +165,7 @@ def check_sparse_allreduce():
     assert torch.equal(got, want), got
 
 
-def check_sync_batch_norm():
+def test_sync_batch_norm():
     """Against torch's BatchNorm1d on the concatenated batch (ranks hold 1..n rows)."""
     r, n = hvd.rank(), hvd.size()
     g = torch.Generator().manual_seed(5)
@@ -187,29 +192,10 @@ def check_sync_batch_norm():
     assert torch.allclose(sbn(full), bn(full), atol=1e-10)
 
 
-def check_errors_and_queries():
+def test_errors_and_build_queries():
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.nccl_built()
     assert not (hvd.gloo_built() or hvd.ccl_built() or hvd.cuda_built() or hvd.rocm_built())
     expect_everywhere(lambda: hvd.alltoall(torch.ones(3), torch.tensor([5] * hvd.size())),
                       "splits")
 
-
-def main():
-    hvd.init()
-    checks = Checks()
-    checks.run("process sets", check_process_sets)
-    checks.run("DistributedOptimizer on a process set", check_optimizer_on_a_process_set)
-    checks.run("sparse gradients", check_sparse_gradients)
-    checks.run("autograd through the collectives", check_autograd)
-    checks.run("join", check_join)
-    checks.run("duplicate names", check_duplicate_names)
-    checks.run("Adasum", check_adasum)
-    checks.run("sparse allreduce", check_sparse_allreduce)
-    checks.run("SyncBatchNorm", check_sync_batch_norm)
-    checks.run("errors and build queries", check_errors_and_queries)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()

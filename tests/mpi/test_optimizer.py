@@ -1,102 +1,31 @@
 """DistributedOptimizer: equivalence with one process on the whole batch, accumulation,
 LR schedulers, checkpoints, unused parameters, subclassing, and errors raised on every rank."""
 import copy
-import sys
 
+import pytest
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks, expect_everywhere  # noqa: E402,F401
+import hvcomm.torch as hvd
+from collectives import HvcommError
 
-import hvcomm.torch as hvd  # noqa: E402
-from collectives import HvcommError  # noqa: E402
-
-torch.set_default_dtype(torch.float64)
-BATCH = 4  # per rank
+from harness import default_dtype, expect_everywhere
+from training import (BATCH, Net, assert_close, assert_same_everywhere, data, loss_fn,
+                      make_opt, shard, train_distributed, train_serial)
 
 
-class Net(torch.nn.Module):
-    def __init__(self, width=16, branch=False):
-        super().__init__()
-        torch.manual_seed(1234)  # same weights on every rank and in the serial reference
-        self.fc1 = torch.nn.Linear(10, width)
-        self.fc2 = torch.nn.Linear(width, width)
-        self.head = torch.nn.Linear(width, 3)
-        self.extra = torch.nn.Linear(width, width) if branch else None
-
-    def forward(self, x, use_extra=False):
-        h = torch.tanh(self.fc1(x))
-        h = torch.tanh(self.fc2(h))
-        if use_extra:
-            h = torch.tanh(self.extra(h))
-        return self.head(h)
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    with default_dtype(torch.float64):
+        hvd.init()
+        yield
 
 
-def data(step, n_ranks):
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(n_ranks * BATCH, 10, generator=g)
-    y = torch.randint(0, 3, (n_ranks * BATCH,), generator=g)
-    return x, y
-
-
-def shard(t, r):
-    return t[r * BATCH:(r + 1) * BATCH]
-
-
-def loss_fn(model, x, y, **kw):
-    return torch.nn.functional.cross_entropy(model(x, **kw), y)
-
-
-def make_opt(model):
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-
-
-def assert_same_everywhere(model):
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    mx = hvd.allreduce(flat, op=hvd.Max)
-    mn = hvd.allreduce(flat, op=hvd.Min)
-    assert torch.equal(mx, mn), "ranks hold different weights"
-
-
-def assert_close(a, b, tol=1e-10):
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.allclose(p, q, atol=tol, rtol=0), f"{n}: max diff {(p - q).abs().max()}"
-
-
-def train_serial(steps, sched=False, passes=1):
-    model = Net()
-    opt = make_opt(model)
-    lr_sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if sched else None
-    for s in range(steps):
-        x, y = data(s, hvd.size())
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        opt.step()
-        if lr_sched:
-            lr_sched.step()
-    return model
-
-
-def train_distributed(steps, sched=False, passes=1, **kw):
-    r = hvd.rank()
-    model = Net()
-    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
-                                   backward_passes_per_step=passes, **kw)
-    lr_sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if sched else None
-    for s in range(steps):
-        x, y = data(s, hvd.size())
-        x, y = shard(x, r), shard(y, r)
-        opt.zero_grad()
-        for c in range(passes):  # split the local batch into `passes` chunks
-            part = slice(c * BATCH // passes, (c + 1) * BATCH // passes)
-            (loss_fn(model, x[part], y[part]) / passes).backward()
-        opt.step()
-        if lr_sched:
-            lr_sched.step()
-    return model, opt
-
-
-def check_matches_serial(**kw):
+@pytest.mark.parametrize("kw", [
+    pytest.param({}, id="default-buckets"),
+    pytest.param(dict(fusion_threshold_bytes=0), id="bucket-per-tensor"),
+    pytest.param(dict(groups=2), id="explicit-groups"),
+])
+def test_matches_serial(kw):
     model, opt = train_distributed(5, **kw)
     assert_same_everywhere(model)
     assert_close(model, train_serial(5))
@@ -107,7 +36,7 @@ def check_matches_serial(**kw):
     assert abs(opt.comm_stats.sent_bytes - 2 * (n - 1) / n * nbytes) < 1e-6
 
 
-def check_passes_and_scheduler():
+def test_backward_passes_per_step_2_and_steplr():
     model, _ = train_distributed(4, passes=2)
     assert_close(model, train_serial(4))
     model, opt = train_distributed(5, sched=True)
@@ -115,7 +44,7 @@ def check_passes_and_scheduler():
     assert opt.param_groups[0]["lr"] == 0.1 * 0.25
 
 
-def check_checkpoint_resume():
+def test_checkpoint_resume():
     r = hvd.rank()
     full, _ = train_distributed(4)
     model, opt = train_distributed(2)
@@ -133,7 +62,7 @@ def check_checkpoint_resume():
     assert_close(model2, full, tol=0)
 
 
-def check_broadcast_optimizer_state():
+def test_broadcast_optimizer_state():
     r = hvd.rank()
     model = Net()
     opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
@@ -151,7 +80,7 @@ def check_broadcast_optimizer_state():
     assert_same_everywhere(model)
 
 
-def check_unused_branch():
+def test_unused_branch_on_some_ranks():
     """The extra layer runs only on odd ranks: no hang; its gradient averages with zeros."""
     r, n = hvd.rank(), hvd.size()
     model = Net(branch=True)
@@ -180,7 +109,7 @@ def check_unused_branch():
     assert moved == (n > 1), "the branch used on odd ranks must train (and only then)"
 
 
-def check_subclass_and_guards():
+def test_subclass_and_guards():
     model = Net()
     opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
 
@@ -216,7 +145,7 @@ def check_subclass_and_guards():
     opt.synchronize()
 
 
-def check_bad_input():
+def test_bad_input_raises_on_every_rank():
     r, n = hvd.rank(), hvd.size()
     odd = r == n - 1  # the last rank alone is wrong: the others must not hang
 
@@ -243,21 +172,3 @@ def check_bad_input():
         expect_everywhere(lambda: build(named=renamed, model=m), "ranks hold different models")
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # still usable afterwards
 
-
-def main():
-    hvd.init()
-    checks = Checks()
-    checks.run("matches serial (default buckets)", check_matches_serial)
-    checks.run("matches serial (bucket per tensor)", check_matches_serial, fusion_threshold_bytes=0)
-    checks.run("matches serial (explicit groups)", check_matches_serial, groups=2)
-    checks.run("backward_passes_per_step=2 and StepLR", check_passes_and_scheduler)
-    checks.run("checkpoint resume", check_checkpoint_resume)
-    checks.run("broadcast_optimizer_state", check_broadcast_optimizer_state)
-    checks.run("unused branch on some ranks", check_unused_branch)
-    checks.run("subclass and guards", check_subclass_and_guards)
-    checks.run("bad input raises on every rank", check_bad_input)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,29 +1,35 @@
 """Compressors inside the optimizer: exactness at density 1, residual conservation, the
 result equal to the sum of what every rank had applied, checkpoint resume, bad input."""
 import copy
-import sys
 
+import pytest
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
-from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  # noqa: E402
-                             expect_everywhere, loss_fn, make_opt, shard, train_distributed)
+import hvcomm
+import hvcomm.torch as hvd
+from hvcomm.torch.methods.buckets import Bucket
+from hvcomm.torch.methods.gtopk import GTopKCompressor
+from hvcomm.torch.methods.memory import ErrorFeedback
+from hvcomm.torch.methods.reducer import Reducer
+from hvcomm.torch.runtime import runtime
 
-import hvcomm  # noqa: E402
-import hvcomm.torch as hvd  # noqa: E402
-from hvcomm.torch.methods.buckets import Bucket  # noqa: E402
-from hvcomm.torch.methods.gtopk import GTopKCompressor  # noqa: E402
-from hvcomm.torch.methods.memory import ErrorFeedback  # noqa: E402
-from hvcomm.torch.methods.reducer import Reducer  # noqa: E402
-from hvcomm.torch.runtime import runtime  # noqa: E402
+from harness import default_dtype, expect_everywhere
+from training import (Net, assert_close, assert_same_everywhere, data, loss_fn, make_opt,
+                      shard, train_distributed)
 
 C = hvcomm.Compression
 SPARSE = [lambda d: C.topk(d), lambda d: C.gtopk(d), lambda d: C.gtopk(d, scope="model"),
           lambda d: C.topk(d, selector="exact", scope="bucket")]
 
 
-def check_density_one_equals_dense():
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    with default_dtype(torch.float64):
+        hvd.init()
+        yield
+
+
+def test_density_1_equals_dense():
     dense, _ = train_distributed(4)
     for make in SPARSE:
         model, opt = train_distributed(4, compression=make(1.0))
@@ -49,7 +55,15 @@ def own_applied(comp, acc, data, payload, result):
     return mine
 
 
-def check_conservation(comp, steps=4):
+@pytest.mark.parametrize("comp", [
+    pytest.param(C.topk(0.05), id="topk-0.05"),
+    pytest.param(C.gtopk(0.05), id="gtopk-0.05"),
+    pytest.param(C.gtopk(0.01, selector="exact"), id="gtopk-0.01-exact"),
+    pytest.param(C.randomk(0.1, variant="error_feedback"), id="randomk-0.1-error_feedback"),
+    pytest.param(C.twobit(0.5), id="twobit-0.5"),
+    pytest.param(C.topk(0.3, warmup_steps=2), id="topk-0.3-warmup_steps=2"),
+])
+def test_conservation(comp, steps=4):
     """acc == residual + applied on every rank, and the reduced result == sum of applied.
     Every rank runs every collective first and asserts last, so a failure cannot leave the
     ranks in different collectives."""
@@ -84,7 +98,30 @@ def check_conservation(comp, steps=4):
     assert not problems, "; ".join(problems)
 
 
-def check_checkpoint_resume():
+def test_randomk_unbiased():
+    """The unbiased random-k sends n/k times the gradient at k common indices and keeps no
+    residual; averaged over many steps its output is the gradient."""
+    comp, n = C.randomk(0.1), 997
+    k = int(0.1 * n)
+    memory = ErrorFeedback()
+    red = Reducer(runtime().engine, comp, memory)
+    bucket = Bucket([0], ["b"], [n])
+    for step in range(3):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + hvd.rank()))
+        job = red.start(bucket, g.clone(), step)
+        dense, _, _ = red.finish(job)
+        idx = job.payload.indices
+        want = torch.zeros(n)
+        want[idx] = hvd.allreduce(g, op=hvd.Sum)[idx] * (n / k)
+        assert torch.allclose(dense, want, rtol=1e-12, atol=1e-12), step
+        assert memory.state_dict() == {}, "the unbiased variant keeps no residual"
+    g = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    mean = sum(comp.decompress(*comp.compress(g, step, "b")) for step in range(4000)) / 4000
+    # each coordinate is the mean of ~400 draws of n/k*g (variance (n/k - 1) g^2): 6 sigma
+    assert ((mean - g).abs() <= 6 * g.abs() * ((n / k - 1) / (4000 * k / n)) ** 0.5 + 1e-12).all()
+
+
+def test_checkpoint_resume():
     """Each rank saves its own state (residuals differ) mid-run; resuming gives the same."""
     r = hvd.rank()
     comp = C.gtopk(0.05, warmup_steps=2)
@@ -113,13 +150,13 @@ def check_checkpoint_resume():
         assert torch.equal(v, before[k])
 
 
-def check_warmup_schedule():
+def test_warm_up_schedule():
     comp = C.topk(0.001, warmup_steps=8)
     assert [comp.density_at(s) for s in range(10)] == [0.25, 0.25, 0.0625, 0.0625, 0.015625,
                                                         0.015625, 0.004, 0.004, 0.001, 0.001]
 
 
-def check_bad_input():
+def test_bad_input():
     for bad in (0, 1.5, -0.1, "0.1"):
         expect_everywhere(lambda: C.gtopk(bad), "density must be in (0, 1]")
     expect_everywhere(lambda: C.twobit(threshold=0), "threshold must be > 0")
@@ -134,44 +171,3 @@ def check_bad_input():
         expect_everywhere(lambda: hvd.DistributedOptimizer(
             make_opt(m), named_parameters=m.named_parameters(), compression=comp),
             "ranks hold different models")
-def check_randomk_unbiased():
-    """The unbiased random-k sends n/k times the gradient at k common indices and keeps no
-    residual; averaged over many steps its output is the gradient."""
-    comp, n = C.randomk(0.1), 997
-    k = int(0.1 * n)
-    memory = ErrorFeedback()
-    red = Reducer(runtime().engine, comp, memory)
-    bucket = Bucket([0], ["b"], [n])
-    for step in range(3):
-        g = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + hvd.rank()))
-        job = red.start(bucket, g.clone(), step)
-        dense, _, _ = red.finish(job)
-        idx = job.payload.indices
-        want = torch.zeros(n)
-        want[idx] = hvd.allreduce(g, op=hvd.Sum)[idx] * (n / k)
-        assert torch.allclose(dense, want, rtol=1e-12, atol=1e-12), step
-        assert memory.state_dict() == {}, "the unbiased variant keeps no residual"
-    g = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    mean = sum(comp.decompress(*comp.compress(g, step, "b")) for step in range(4000)) / 4000
-    # each coordinate is the mean of ~400 draws of n/k*g (variance (n/k - 1) g^2): 6 sigma
-    assert ((mean - g).abs() <= 6 * g.abs() * ((n / k - 1) / (4000 * k / n)) ** 0.5 + 1e-12).all()
-
-
-def main():
-    torch.set_default_dtype(torch.float64)
-    hvd.init()
-    checks = Checks()
-    checks.run("density 1 equals dense", check_density_one_equals_dense)
-    for comp in (C.topk(0.05), C.gtopk(0.05), C.gtopk(0.01, selector="exact"),
-                 C.randomk(0.1, variant="error_feedback"), C.twobit(0.5),
-                 C.topk(0.3, warmup_steps=2)):
-        checks.run(f"conservation {comp!r}", check_conservation, comp)
-    checks.run("random-k unbiased: scaled sum, nothing kept", check_randomk_unbiased)
-    checks.run("checkpoint resume", check_checkpoint_resume)
-    checks.run("warm-up schedule", check_warmup_schedule)
-    checks.run("bad input", check_bad_input)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,16 +1,28 @@
 """hvcomm.torch's Horovod-named collectives, checked against values computed from (rank, size)."""
-import sys
-
+import pytest
 import torch
+from mpi4py import MPI
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
+import hvcomm.torch as hvd
+from collectives import HvcommError
 
-import hvcomm.torch as hvd  # noqa: E402
-from collectives import HvcommError  # noqa: E402
+from harness import default_dtype
 
 
-def check_allreduce():
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    """hvcomm started for the module's tests and shut down after them."""
+    with default_dtype(torch.float32):
+        hvd.init()
+        yield
+        hvd.shutdown()
+
+
+def test_initialized():
+    assert hvd.is_initialized() and hvd.size() == MPI.COMM_WORLD.Get_size()
+
+
+def test_allreduce():
     r, n = hvd.rank(), hvd.size()
     x = torch.arange(6, dtype=torch.float64).reshape(2, 3) + r
     base = torch.arange(6, dtype=torch.float64).reshape(2, 3)
@@ -33,7 +45,7 @@ def check_allreduce():
     assert torch.equal(hvd.allreduce(t), torch.ones(3))
 
 
-def check_allgather_broadcast_objects():
+def test_allgather_broadcast_objects():
     r, n = hvd.rank(), hvd.size()
     g = hvd.allgather(torch.full((r + 1, 2), r, dtype=torch.int64))
     assert g.shape == (n * (n + 1) // 2, 2)
@@ -48,7 +60,7 @@ def check_allgather_broadcast_objects():
     assert hvd.local_size() * hvd.cross_size() == n and 0 <= hvd.local_rank() < hvd.local_size()
 
 
-def check_mismatch_errors():
+def test_mismatch_errors():
     r, n = hvd.rank(), hvd.size()
     if n == 1:
         return
@@ -75,17 +87,3 @@ def check_mismatch_errors():
             continue
         raise AssertionError(f"expected {exc.__name__}")
 
-
-def main():
-    hvd.init()
-    checks = Checks()
-    assert hvd.is_initialized() and hvd.size() == checks.comm.Get_size()
-    checks.run("allreduce", check_allreduce)
-    checks.run("allgather/broadcast/objects", check_allgather_broadcast_objects)
-    checks.run("mismatch errors", check_mismatch_errors)
-    checks.finish()
-    hvd.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,16 +1,15 @@
 """Delayed synchronisation (OD-SGD, SSD-SGD, CD-SGD): warm-up equals S-SGD, global weights
 agree on every rank every step, checkpoints resume exactly, the delay is real, bad input."""
 import copy
-import sys
 
+import pytest
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
-from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  # noqa: E402
-                             expect_everywhere, loss_fn, make_opt, shard, train_serial)
+import hvcomm.torch as hvd
 
-import hvcomm.torch as hvd  # noqa: E402
+from harness import default_dtype, expect_everywhere
+from training import (Net, assert_close, assert_same_everywhere, data, loss_fn, make_opt,
+                      shard, train_serial)
 
 STEPS = 8
 MODES = {
@@ -23,6 +22,13 @@ MODES = {
     "cd-twobit": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=2),
                       compression=hvd.Compression.twobit(0.01)),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    with default_dtype(torch.float64):
+        hvd.init()
+        yield
 
 
 def build(**kw):
@@ -47,7 +53,8 @@ def flat(tensors):
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def check_warmup_covering_the_run_is_ssgd(name):
+@pytest.mark.parametrize("name", list(MODES))
+def test_warm_up_over_the_whole_run_is_ssgd(name):
     kw = dict(MODES[name])
     kw["delay"] = hvd.Delay(kw["delay"].mode, warmup_steps=STEPS + 1)
     model, opt = build(**kw)
@@ -58,7 +65,8 @@ def check_warmup_covering_the_run_is_ssgd(name):
         assert torch.equal(W[n], p), n
 
 
-def check_global_weights_agree_every_step(name):
+@pytest.mark.parametrize("name", list(MODES))
+def test_global_weights_agree_every_step(name):
     model, opt = build(**MODES[name])
     seen = []
 
@@ -79,7 +87,8 @@ def check_global_weights_agree_every_step(name):
                        flat(opt.global_weights().values()))
 
 
-def check_checkpoint_resumes_exactly(name):
+@pytest.mark.parametrize("name", list(MODES))
+def test_checkpoint_resumes_exactly(name):
     full_model, full_opt = build(**MODES[name])
     run(full_model, full_opt, STEPS)
     model, opt = build(**MODES[name])
@@ -98,7 +107,7 @@ def check_checkpoint_resumes_exactly(name):
         assert torch.equal(W[n], W2[n]), n
 
 
-def check_od_local_step_formula():
+def test_od_the_local_step_by_hand():
     """One delayed step by hand: w = W - lr_local * (g + wd W), W one step behind."""
     model, opt = build(delay=hvd.Delay("od-sgd", warmup_steps=1, local_lr=0.3))
     run(model, opt, 1)                    # warm-up: W = w
@@ -115,7 +124,7 @@ def check_od_local_step_formula():
         assert torch.allclose(p, expect, atol=1e-12, rtol=0), n
 
 
-def check_cd_correction_is_full_precision():
+def test_cd_every_kth_step_in_full_precision():
     """CD with k=3 after 2 warm-up steps: delayed steps j = 2, 5 (steps 4, 7) go dense; a
     step's bytes show in comm_stats one step later."""
     model, opt = build(**MODES["cd-topk"])
@@ -127,7 +136,7 @@ def check_cd_correction_is_full_precision():
         assert payload[s] < dense / 2, (s, payload)
 
 
-def check_bad_delays():
+def test_bad_delays_raise_on_every_rank():
     odd = hvd.rank() == hvd.size() - 1
     expect_everywhere(lambda: build(delay="slow" if odd else "od-sgd"), "delay mode must be")
     expect_everywhere(lambda: build(delay="cd-sgd"), "needs a compressor")
@@ -142,21 +151,3 @@ def check_bad_delays():
     opt.step()
     opt.finish_pending()
 
-
-def main():
-    hvd.init()
-    checks = Checks()
-    for name in MODES:
-        checks.run(f"{name}: warm-up over the whole run is S-SGD",
-                   check_warmup_covering_the_run_is_ssgd, name)
-        checks.run(f"{name}: global weights agree every step", check_global_weights_agree_every_step,
-                   name)
-        checks.run(f"{name}: checkpoint resumes exactly", check_checkpoint_resumes_exactly, name)
-    checks.run("od: the local step by hand", check_od_local_step_formula)
-    checks.run("cd: every k-th step in full precision", check_cd_correction_is_full_precision)
-    checks.run("bad delays raise on every rank", check_bad_delays)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,29 @@
 """MPI checks of the collectives against the serial references, on several communicators."""
-import sys
-
 import numpy as np
+import pytest
 from mpi4py import MPI
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
+import collectives as C
+from collectives.reference import gtopk_ref, topk_allgather_ref
 
-import collectives as C  # noqa: E402
-from collectives.reference import gtopk_ref, topk_allgather_ref  # noqa: E402
+# every check runs on three communicators; the seeded ones with 40 seeds on the world, 8 else
+COMMS = ("world", "split", "dup")
+SEEDED = [pytest.param(name, seed, id=f"{name}-seed{seed}")
+          for name in COMMS for seed in (range(40) if name == "world" else range(8))]
+
+
+@pytest.fixture(scope="module")
+def comms():
+    world = MPI.COMM_WORLD
+    split = world.Split(world.Get_rank() % 2, world.Get_rank())
+    dup = world.Dup()
+    return {"world": world, "split": split, "dup": dup}
+
+
+@pytest.fixture
+def comm(request, comms):
+    """The communicator the test is parametrized with (by name)."""
+    return comms[request.param]
 
 
 def rank_input(seed, r, d, k, spread, fewer=False):
@@ -31,7 +46,9 @@ def case_params(seed):
     return d, k, spread
 
 
-def check_gtopk(comm, seed, nonblocking):
+@pytest.mark.parametrize("comm, seed", SEEDED, indirect=["comm"])
+def test_gtopk(comm, seed):
+    nonblocking = seed % 2 == 1
     p, r = comm.Get_size(), comm.Get_rank()
     d, k, spread = case_params(seed)
     inputs = [rank_input(seed, q, d, k, spread, fewer=seed % 3 == 0) for q in range(p)]
@@ -62,7 +79,8 @@ def check_gtopk(comm, seed, nonblocking):
     assert len(res.indices) == min(k, len({int(j) for i, _ in inputs for j in i}))
 
 
-def check_allgather(comm, seed):
+@pytest.mark.parametrize("comm, seed", SEEDED, indirect=["comm"])
+def test_allgather(comm, seed):
     p, r = comm.Get_size(), comm.Get_rank()
     d, k, spread = case_params(seed)
     inputs = [rank_input(seed, q, d, k, spread, fewer=True) for q in range(p)]
@@ -73,34 +91,9 @@ def check_allgather(comm, seed):
     assert res.reached.all()
 
 
-def check_concurrent(comm):
-    """Two gTop-k calls in flight with distinct tags, progressed in the opposite order."""
-    p, r = comm.Get_size(), comm.Get_rank()
-    d, k = 1000, 20
-    ins = [[rank_input(s, q, d, k, 60) for q in range(p)] for s in (11, 12)]
-    h1 = C.igtopk_allreduce(comm, *ins[0][r], d, k, tag=501)
-    h2 = C.igtopk_allreduce(comm, *ins[1][r], d, k, tag=502)
-    res2, res1 = h2.wait(), h1.wait()
-    for res, inp in ((res1, ins[0]), (res2, ins[1])):
-        np.testing.assert_array_equal(res.indices, gtopk_ref(inp, k)[0])
-
-
-def check_results_kept(comm):
-    """A result stays as it was when later calls run (the calls reuse scratch buffers)."""
-    p, r = comm.Get_size(), comm.Get_rank()
-    d, k = 1000, 20
-    ins = [[rank_input(s, q, d, k, 60) for q in range(p)] for s in (21, 22)]
-    first = [C.gtopk_allreduce(comm, *ins[0][r], d, k), C.topk_allgather(comm, *ins[0][r], d, k)]
-    copies = [(x.indices.copy(), x.values.copy(), x.reached.copy()) for x in first]
-    C.gtopk_allreduce(comm, *ins[1][r], d, k)
-    C.topk_allgather(comm, *ins[1][r], d, k)
-    for res, (idx, val, reached) in zip(first, copies):
-        np.testing.assert_array_equal(res.indices, idx)
-        np.testing.assert_array_equal(res.values, val)
-        np.testing.assert_array_equal(res.reached, reached)
-
-
-def check_dense_and_merged(comm, seed):
+@pytest.mark.parametrize("comm", COMMS, indirect=True)
+def test_dense_and_merged(comm):
+    seed = 3
     p, r = comm.Get_size(), comm.Get_rank()
     rng = np.random.default_rng(seed)
     shapes = [tuple(rng.integers(1, 6, size=rng.integers(1, 3))) for _ in range(7)]
@@ -122,6 +115,35 @@ def check_dense_and_merged(comm, seed):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("comm", COMMS, indirect=True)
+def test_concurrent(comm):
+    """Two gTop-k calls in flight with distinct tags, progressed in the opposite order."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    d, k = 1000, 20
+    ins = [[rank_input(s, q, d, k, 60) for q in range(p)] for s in (11, 12)]
+    h1 = C.igtopk_allreduce(comm, *ins[0][r], d, k, tag=501)
+    h2 = C.igtopk_allreduce(comm, *ins[1][r], d, k, tag=502)
+    res2, res1 = h2.wait(), h1.wait()
+    for res, inp in ((res1, ins[0]), (res2, ins[1])):
+        np.testing.assert_array_equal(res.indices, gtopk_ref(inp, k)[0])
+
+
+@pytest.mark.parametrize("comm", COMMS, indirect=True)
+def test_results_kept(comm):
+    """A result stays as it was when later calls run (the calls reuse scratch buffers)."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    d, k = 1000, 20
+    ins = [[rank_input(s, q, d, k, 60) for q in range(p)] for s in (21, 22)]
+    first = [C.gtopk_allreduce(comm, *ins[0][r], d, k), C.topk_allgather(comm, *ins[0][r], d, k)]
+    copies = [(x.indices.copy(), x.values.copy(), x.reached.copy()) for x in first]
+    C.gtopk_allreduce(comm, *ins[1][r], d, k)
+    C.topk_allgather(comm, *ins[1][r], d, k)
+    for res, (idx, val, reached) in zip(first, copies):
+        np.testing.assert_array_equal(res.indices, idx)
+        np.testing.assert_array_equal(res.values, val)
+        np.testing.assert_array_equal(res.reached, reached)
+
+
 def expect_error_everywhere(comm, fn, text):
     try:
         fn()
@@ -131,7 +153,8 @@ def expect_error_everywhere(comm, fn, text):
     raise AssertionError(f"no HvcommError (wanted one mentioning {text!r})")
 
 
-def check_bad_input(comm):
+@pytest.mark.parametrize("comm", COMMS, indirect=True)
+def test_bad_input(comm):
     r = comm.Get_rank()
     idx, val = np.array([1, 5, 7], np.int32), np.array([1.0, -2.0, 3.0], np.float32)
     idx5, val5 = np.array([0, 1, 5, 7, 9], np.int32), np.arange(5, dtype=np.float32)
@@ -167,23 +190,3 @@ def check_bad_input(comm):
     # and the communicator still works afterwards
     assert comm.allreduce(1) == comm.Get_size()
 
-
-def main():
-    checks = Checks()
-    world = MPI.COMM_WORLD
-    split = world.Split(world.Get_rank() % 2, world.Get_rank())
-    dup = world.Dup()
-    for name, comm in (("world", world), ("split", split), ("dup", dup)):
-        seeds = range(40) if name == "world" else range(8)
-        for seed in seeds:
-            checks.run(f"{name} gtopk seed={seed}", check_gtopk, comm, seed, nonblocking=seed % 2 == 1)
-            checks.run(f"{name} allgather seed={seed}", check_allgather, comm, seed)
-        checks.run(f"{name} dense+merged", check_dense_and_merged, comm, 3)
-        checks.run(f"{name} concurrent", check_concurrent, comm)
-        checks.run(f"{name} results kept", check_results_kept, comm)
-        checks.run(f"{name} bad input", check_bad_input, comm)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()

@@ -2,27 +2,38 @@
 profiling replans identically on every rank; unused branches and shared weights; timeline."""
 import json
 import os
-import sys
 import tempfile
 
+import pytest
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
-from check_optimizer import (Net, assert_close, assert_same_everywhere, data,  # noqa: E402
-                             expect_everywhere, make_opt, shard, train_distributed,
-                             train_serial)
+import hvcomm.torch as hvd
+from hvcomm.torch import methods
+from hvcomm.torch.methods.schedule import PlannedSchedule
 
-import hvcomm.torch as hvd  # noqa: E402
-from hvcomm.torch import methods  # noqa: E402
-from hvcomm.torch.methods.schedule import PlannedSchedule  # noqa: E402
+from harness import default_dtype, expect_everywhere
+from training import (Net, assert_close, assert_same_everywhere, data, make_opt, shard,
+                      train_distributed, train_serial)
 
 PLANNED = [m.name for m in methods.REGISTRY.values() if isinstance(m, PlannedSchedule)]
 
 STEPS = 7  # one skipped, three profiled, replanned before step 4
 
 
-def check_schedule_matches_serial(schedule, with_model=False, **kw):
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    with default_dtype(torch.float64):
+        hvd.init()
+        yield
+
+
+@pytest.mark.parametrize("schedule, with_model, kw", [
+    *(pytest.param(schedule, False, {}, id=schedule) for schedule in PLANNED),
+    pytest.param("p3", False, dict(slice_elems=37), id="p3-no-model"),
+    pytest.param("p3", True, dict(slice_elems=37), id="p3-model-deferred-updates"),
+])
+def test_matches_serial(schedule, with_model, kw):
+    kw = dict(kw)  # the parameter's own dict stays as it is
     if with_model:
         kw["model"] = "model"  # train_distributed passes its own model
     steps = 28 if schedule == "mgwfbp" else STEPS  # 4 to plan, up to 4 x 6 to race plans
@@ -88,7 +99,8 @@ class Tied(torch.nn.Module):
         return self.out(h)
 
 
-def check_unused_branch_and_shared_weight(schedule):
+@pytest.mark.parametrize("schedule", methods.names("schedule"))
+def test_unused_branch_and_shared_weight(schedule):
     r = hvd.rank()
     model = Tied()
     kw = {"model": model, "slice_elems": 50} if schedule == "p3" else {}
@@ -106,7 +118,7 @@ def check_unused_branch_and_shared_weight(schedule):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def check_residuals_survive_replanning():
+def test_residuals_survive_replanning():
     model = Net()
     opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
                                    compression=hvd.Compression.topk(0.3, scope="bucket"))
@@ -124,7 +136,7 @@ def check_residuals_survive_replanning():
         assert torch.equal(before[k], after[k]), k
 
 
-def check_compressed_schedule_density_one():
+def test_mgwfbp_topk_density_1_matches_serial():
     """Merge, then compress per bucket: top-k at density 1 is dense, so weights match."""
     model, opt = train_distributed(STEPS, schedule="mgwfbp",
                                    compression=hvd.Compression.topk(1.0, scope="bucket"))
@@ -132,7 +144,7 @@ def check_compressed_schedule_density_one():
     assert opt.plan_prediction is not None
 
 
-def check_timeline():
+def test_timeline():
     tmp = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
     path = os.path.join(tmp, f"tl{hvd.rank()}", "timeline.json")
     hvd.start_timeline(path)
@@ -149,7 +161,7 @@ def check_timeline():
     assert all(e["pid"] == hvd.rank() and e["dur"] >= 0 for e in spans)
 
 
-def check_p3_priority_overtakes():
+def test_p3_priority_slices_overtake():
     """A high-priority gradient that becomes ready while a long low-priority one is being
     sent goes next; the order is identical on every rank; the sums are right. Driven without
     thread timing: a and b are handed over by the engine thread itself, right after c's 5th
@@ -181,22 +193,7 @@ def check_p3_priority_overtakes():
     assert rnd.messages == 4 + 3 + 400
 
 
-def check_p3_refuses_a_collective_that_would_hang():
-    """Between backward and step() a P3 round is open: a blocking collective would wait
-    behind it forever (unused parameters are handed over only by step()); it raises."""
-    model = Tied()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters(), schedule="p3")
-    x, y = data(0, hvd.size())
-    torch.nn.functional.cross_entropy(model(shard(x, hvd.rank()), False),
-                                      shard(y, hvd.rank())).backward()
-    expect_everywhere(lambda: hvd.allreduce(torch.ones(1)), "round is open")
-    expect_everywhere(lambda: hvd.broadcast_object(1), "round is open")
-    opt.step()
-    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()
-
-
-def check_bad_schedules():
+def test_bad_schedules_raise_on_every_rank():
     odd = hvd.rank() == hvd.size() - 1
 
     def build(**kw):
@@ -213,26 +210,16 @@ def check_bad_schedules():
     expect_everywhere(lambda: build(schedule="p3", model=Net()), "must own every parameter")
 
 
-def main():
-    hvd.init()
-    checks = Checks()
-    for schedule in PLANNED:
-        checks.run(f"{schedule} matches serial", check_schedule_matches_serial, schedule)
-    checks.run("p3 (no model) matches serial", check_schedule_matches_serial, "p3",
-               slice_elems=37)
-    checks.run("p3 (model, deferred updates) matches serial", check_schedule_matches_serial,
-               "p3", with_model=True, slice_elems=37)
-    for schedule in methods.names("schedule"):
-        checks.run(f"{schedule}: unused branch and shared weight",
-                   check_unused_branch_and_shared_weight, schedule)
-    checks.run("residuals survive replanning", check_residuals_survive_replanning)
-    checks.run("mgwfbp + top-k density 1 matches serial", check_compressed_schedule_density_one)
-    checks.run("timeline", check_timeline)
-    checks.run("p3: priority slices overtake", check_p3_priority_overtakes)
-    checks.run("bad schedules raise on every rank", check_bad_schedules)
-    checks.run("p3: a collective that would hang raises", check_p3_refuses_a_collective_that_would_hang)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()
+def test_p3_a_collective_that_would_hang_raises():
+    """Between backward and step() a P3 round is open: a blocking collective would wait
+    behind it forever (unused parameters are handed over only by step()); it raises."""
+    model = Tied()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), schedule="p3")
+    x, y = data(0, hvd.size())
+    torch.nn.functional.cross_entropy(model(shard(x, hvd.rank()), False),
+                                      shard(y, hvd.rank())).backward()
+    expect_everywhere(lambda: hvd.allreduce(torch.ones(1)), "round is open")
+    expect_everywhere(lambda: hvd.broadcast_object(1), "round is open")
+    opt.step()
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()

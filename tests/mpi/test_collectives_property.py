@@ -5,19 +5,17 @@ every dtype, every op, prescale/postscale and compression.
 Every rank draws the same examples (hypothesis, derandomized) and builds every rank's input
 from a seed, so each rank computes the reference itself. Each example's verdict is combined
 over the ranks before anything is raised, so all ranks fail, and shrink, together."""
-import sys
-
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import Checks  # noqa: E402
+import hvcomm.torch as hvd
+from collectives import icast_allreduce
+from collectives.errors import HvcommError
 
-import hvcomm.torch as hvd  # noqa: E402
-from collectives import icast_allreduce  # noqa: E402
-from collectives.errors import HvcommError  # noqa: E402
+from harness import default_dtype
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
           torch.int32, torch.int64, torch.bool]
@@ -25,6 +23,13 @@ REDUCIBLE = [d for d in DTYPES if d is not torch.bool]
 OPS = [hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product]
 WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # Horovod's scaling math
 TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    with default_dtype(torch.float32):
+        hvd.init()
+        yield
 
 
 def make_input(seed, rank, shape, dtype, op):
@@ -171,7 +176,7 @@ def run_case(c):
 @settings(max_examples=120, derandomize=True, database=None, deadline=None,
           suppress_health_check=list(HealthCheck))
 @given(cases)
-def check_against_reference(case):
+def test_collectives_match_their_serial_reference(case):
     try:
         problem = run_case(case)
     except Exception as e:  # noqa: BLE001 - an exception is this rank's verdict too
@@ -180,13 +185,3 @@ def check_against_reference(case):
     bad = [(q, v) for q, v in enumerate(verdicts) if v is not None]
     assert not bad, f"{case}: " + "; ".join(f"rank {q}: {v}" for q, v in bad)
 
-
-def main():
-    hvd.init()
-    checks = Checks()
-    checks.run("collectives match their serial reference", check_against_reference)
-    checks.finish()
-
-
-if __name__ == "__main__":
-    main()

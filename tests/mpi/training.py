@@ -1,0 +1,94 @@
+"""The small model, data and training loops the MPI tests of DistributedOptimizer share
+(test_optimizer.py, test_compression.py, test_delayed.py, test_schedule.py, test_vs_horovod.py,
+and the scripts train_resumable.py and check_reproducible.py).
+
+Importing this module makes float64 torch's default dtype, as importing check_optimizer.py
+did for every script that used these helpers."""
+import torch
+
+import hvcomm.torch as hvd
+
+torch.set_default_dtype(torch.float64)
+BATCH = 4  # per rank
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width=16, branch=False):
+        super().__init__()
+        torch.manual_seed(1234)  # same weights on every rank and in the serial reference
+        self.fc1 = torch.nn.Linear(10, width)
+        self.fc2 = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 3)
+        self.extra = torch.nn.Linear(width, width) if branch else None
+
+    def forward(self, x, use_extra=False):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        if use_extra:
+            h = torch.tanh(self.extra(h))
+        return self.head(h)
+
+
+def data(step, n_ranks):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(n_ranks * BATCH, 10, generator=g)
+    y = torch.randint(0, 3, (n_ranks * BATCH,), generator=g)
+    return x, y
+
+
+def shard(t, r):
+    return t[r * BATCH:(r + 1) * BATCH]
+
+
+def loss_fn(model, x, y, **kw):
+    return torch.nn.functional.cross_entropy(model(x, **kw), y)
+
+
+def make_opt(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def assert_same_everywhere(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mx = hvd.allreduce(flat, op=hvd.Max)
+    mn = hvd.allreduce(flat, op=hvd.Min)
+    assert torch.equal(mx, mn), "ranks hold different weights"
+
+
+def assert_close(a, b, tol=1e-10):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=tol, rtol=0), f"{n}: max diff {(p - q).abs().max()}"
+
+
+def train_serial(steps, sched=False, passes=1):
+    model = Net()
+    opt = make_opt(model)
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if sched else None
+    for s in range(steps):
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        if lr_sched:
+            lr_sched.step()
+    return model
+
+
+def train_distributed(steps, sched=False, passes=1, **kw):
+    r = hvd.rank()
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kw)
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if sched else None
+    for s in range(steps):
+        x, y = data(s, hvd.size())
+        x, y = shard(x, r), shard(y, r)
+        opt.zero_grad()
+        for c in range(passes):  # split the local batch into `passes` chunks
+            part = slice(c * BATCH // passes, (c + 1) * BATCH // passes)
+            (loss_fn(model, x[part], y[part]) / passes).backward()
+        opt.step()
+        if lr_sched:
+            lr_sched.step()
+    return model, opt
+
