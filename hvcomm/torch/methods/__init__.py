@@ -17,7 +17,11 @@ from collectives.errors import HvcommError
 
 from .base import Compressor, Method
 
-MODULES = ("none", "fp16", "topk", "gtopk", "randomk", "twobit", "mgwfbp", "merge_rule", "wfbp", "single", "threshold", "p3", "od_sgd", "ssd_sgd", "cd_sgd")
+MODULES = (
+    "none", "fp16", "topk", "gtopk", "randomk", "twobit",         # what travels (compression=)
+    "mgwfbp", "merge_rule", "wfbp", "single", "threshold", "p3",  # which travel together, when
+    "od_sgd", "ssd_sgd", "cd_sgd",                                # delayed synchronisation
+)
 
 REGISTRY: Dict[str, Method] = {}
 for _module in MODULES:
