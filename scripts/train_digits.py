@@ -70,6 +70,7 @@ METHODS = {
     "randomk-0.1-ef": hvcomm_method(C.randomk(0.1, scope="model", variant="error_feedback")),
     "randomk-1.0": hvcomm_method(C.randomk(1.0, scope="model")),
     "twobit-0.5": hvcomm_method(C.twobit(0.5)),
+    "powersgd-4": hvcomm_method(C.powersgd(rank=4)),
     # delayed synchronisation: --delay-warmup synchronous steps first, local learning rate
     # 4x the global one (as SSD-SGD's runs), k = 5 as the originals
     "od-sgd": hvcomm_method(delay=dict(mode="od-sgd", local_lr=0.2)),

@@ -92,6 +92,17 @@ def test_fp16_twobit_and_randomk_send_fewer_bytes():
     assert ms("randomk", TWO, 2, density=0.1, compute=FREE) == pytest.approx(4.5232)
 
 
+def test_powersgd_sends_the_factors_in_two_allreduces():
+    t = S.LayerTrace("t", (S.Layer("l0", 5100, 1e-3, 2e-3, ((100, 50), (100,))),), batch=8,
+                     update_s=0.5e-3)
+    # rank 4: P 100x4 and the vector's 100 in the first allreduce (2000 B: 20 + 16 us at P=2),
+    # Q 50x4 in the second (800 B: 20 + 6.4 us)
+    assert ms("powersgd", t, 2, compute=FREE) == pytest.approx(3.5 + 0.0624)
+    # the two products charged as 4 passes over the 5100 gradients at 1 ns each
+    assert ms("powersgd", t, 2, compute=S.ComputeCost(1e-9, 0.0, 0.0)) == \
+        pytest.approx(3.5 + 0.0624 + 0.0204)
+
+
 def test_p3_waits_per_layer_in_the_next_forward():
     # P=2, slices of 1000: l1 (3000) is 3 slices, l0 one; each slice carries a readiness
     # vector of 2 x 4 B: 20 us + 4008 B * 8 ns = 52.064 us; a readiness exchange of 2 x 8 B:

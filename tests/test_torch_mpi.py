@@ -69,6 +69,7 @@ def test_compression_in_the_optimizer(n):
     ("test_delayed.py", 300),                # OD / SSD / CD-SGD
     ("test_collectives_property.py", 180),   # every collective against a serial reference
     ("test_horovod_api.py", 180),            # Horovod's API beyond the core
+    ("test_powersgd.py", 180),               # PowerSGD against a serial reference
 ])
 def test_at_one_to_three_ranks(test_file, timeout, n):
     mpi_pytest(n, test_file, timeout=timeout)

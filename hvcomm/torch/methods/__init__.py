@@ -18,7 +18,7 @@ from collectives.errors import HvcommError
 from .base import Compressor, Method
 
 MODULES = (
-    "none", "fp16", "topk", "gtopk", "randomk", "twobit",         # what travels (compression=)
+    "none", "fp16", "topk", "gtopk", "randomk", "twobit", "powersgd",  # what travels (compression=)
     "mgwfbp", "merge_rule", "wfbp", "single", "threshold", "p3",  # which travel together, when
     "od_sgd", "ssd_sgd", "cd_sgd",                                # delayed synchronisation
 )
