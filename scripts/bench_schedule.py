@@ -14,6 +14,7 @@ from pathlib import Path
 
 
 import report
+from hvcomm.torch import methods
 
 SCHEDULES = ("wfbp", "single", "threshold", "merge_rule", "mgwfbp", "p3", "p3:1000000")
 
@@ -51,7 +52,7 @@ def worker(args) -> None:
         torch.manual_seed(0)
         model = build_model(args.model)
         name, _, slices = schedule.partition(":")  # "p3:N": N-element slices
-        kw = {"model": model} if name == "p3" else {}
+        kw = {"model": model} if methods.get(name, "schedule").takes_model else {}
         if slices:
             kw["slice_elems"] = int(slices)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),

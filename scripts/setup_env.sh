@@ -66,8 +66,10 @@ if [ "${HVCOMM_SKIP_HOROVOD:-0}" != 1 ] && ! have horovod==0.28.1; then
   pipi cloudpickle psutil pyyaml cffi
 fi
 
+# (again when a console script of setup.py is missing: an older install lacks them)
 if ! (cd /tmp && "$vpy" -c "import sys, hvcomm, collectives, os; \
-      sys.exit(os.path.dirname(os.path.dirname(hvcomm.__file__)) != sys.argv[1])" "$root") 2>/dev/null
+      sys.exit(os.path.dirname(os.path.dirname(hvcomm.__file__)) != sys.argv[1])" "$root") 2>/dev/null \
+   || [ ! -x "$venv/bin/hvcomm-advise" ] || [ ! -x "$venv/bin/hvcomm-launch-check" ]
 then
   log "installing hvcomm (editable)"
   pipi --no-deps --no-build-isolation -e "$root"

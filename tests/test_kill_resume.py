@@ -139,7 +139,7 @@ def check_kill_and_resume(method, how, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("method", ["dense", "gtopk", "od", "p3"])
+@pytest.mark.parametrize("method", ["none", "gtopk", "od-sgd", "p3"])
 def test_kill_then_resume_one_node(method, n, tmp_path):
     check_kill_and_resume(method, OneNode(n), tmp_path)
 

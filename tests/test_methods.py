@@ -32,6 +32,13 @@ def test_unknown_names_list_the_valid_ones():
         methods.get("gtopk", "schedule")
 
 
+def test_the_delay_modes_old_names_are_refused_with_the_valid_ones():
+    from hvcomm.torch.methods.delayed import Delay
+    for old in ("od", "ssd", "cd"):
+        problem = Delay(old).problem(compression_is_none=False)
+        assert problem and all(repr(n) in problem for n in methods.names("delay")), problem
+
+
 def test_compression_has_every_compression_method():
     for name in methods.names("compression"):
         assert getattr(methods.Compression, name) is methods.get(name).factory

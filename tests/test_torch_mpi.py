@@ -60,7 +60,7 @@ def test_horovodrun_launches_an_hvcomm_job():
 
 @pytest.mark.parametrize("n", SIZES)
 def test_compression_in_the_optimizer(n):
-    mpi_pytest(n, "test_compression.py", timeout=300)
+    mpi_pytest(n, "test_reducer.py", timeout=300)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

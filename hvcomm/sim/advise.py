@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", help="p102-100, v100, a100")
     ap.add_argument("--workers", type=int, required=True)
     ap.add_argument("--net", default="10gbit", help=", ".join(sorted(simulate.NETWORKS)))
-    ap.add_argument("--density", type=float, default=0.001, help="Top-k and gTop-k density")
+    ap.add_argument("--density", type=float, default=0.001, help="the density of the methods that send a fraction (topk, gtopk, randomk)")
     args = ap.parse_args(argv)
     try:
         trace = load(args)

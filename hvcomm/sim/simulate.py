@@ -42,6 +42,10 @@ class Layer:
     backward_s: float
     shapes: Tuple[Tuple[int, ...], ...] = ()   # its parameter tensors' shapes, if known
 
+    def tensors(self) -> Tuple[Tuple[int, ...], ...]:
+        """Its parameter tensors' shapes; where unknown, one tensor of all its parameters."""
+        return self.shapes or (((self.params,),) if self.params else ())
+
 
 @dataclass(frozen=True)
 class LayerTrace:

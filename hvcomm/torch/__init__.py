@@ -5,6 +5,7 @@ and the advisor read, imports without an MPI library; ``import hvcomm.torch as h
 ``hvd.init()`` works as in Horovod.
 """
 import importlib
+import importlib.util
 
 _EXPORTS = {
     ".autograd": ("allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
@@ -45,6 +46,8 @@ def __getattr__(name):
     elif name in _ALIASES:
         module, attr = _ALIASES[name]
         value = getattr(importlib.import_module(module), attr)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule
+        value = importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

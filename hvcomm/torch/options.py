@@ -14,7 +14,7 @@ from mpi4py import MPI
 from collectives.errors import HvcommError
 
 from . import methods
-from .methods.base import Compressor
+from .methods.base import Compressor, is_native, sends_as_is
 from .methods.buckets import ONE_BUCKET_BYTES, plan_groups
 from .methods.delayed import Delayed, as_delay
 from .methods.strategy import BaseStep, Strategy
@@ -69,7 +69,7 @@ class Options:
     def agreement_key(self) -> tuple:
         """What every rank must pass alike (besides the parameters)."""
         return ("options", self.backward_passes_per_step, self.op,
-                self.gradient_predivide_factor, repr(self.compression), self.schedule,
+                self.gradient_predivide_factor, _described(self.compression), self.schedule,
                 self.profile_steps, self.slice_elems, self.model is not None, self.trial_steps,
                 repr(as_delay(self.delay)))
 
@@ -93,6 +93,15 @@ class Options:
         return problem
 
 
+def _described(compression) -> str:
+    """What every rank must pass alike: the compressor's repr, or its class where the repr is
+    Python's default (an address, different on every rank)."""
+    text = repr(compression)
+    if text == object.__repr__(compression):
+        return f"{type(compression).__module__}.{type(compression).__qualname__}"
+    return text
+
+
 def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
     bpps, compression = o.backward_passes_per_step, o.compression
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -101,7 +110,7 @@ def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
         return f"backward_passes_per_step must be a positive integer, got {bpps!r}"
     if o.op not in (Average, Sum, Adasum):
         return f"op must be hvcomm.torch.Average, Sum or Adasum for gradients, got {o.op!r}"
-    if o.op == Adasum and (not _sends_as_is(compression) or o.schedule or o.delay):
+    if o.op == Adasum and (not sends_as_is(compression) or o.schedule or o.delay):
         return ("op=Adasum combines the uncompressed gradients: use it without compression=, "
                 "schedule= and delay=")
     if o.gradient_predivide_factor != 1.0 and o.op != Average:
@@ -109,7 +118,7 @@ def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
     if not isinstance(compression, Compressor) and not (
             hasattr(compression, "compress") and hasattr(compression, "decompress")):
         return "compression must provide compress() and decompress() (e.g. Compression.fp16)"
-    if isinstance(compression, Compressor):
+    if is_native(compression):
         dtypes = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         bad = compression.problem(dtypes, size)
         if bad:
@@ -137,10 +146,6 @@ def _names_problem(named, optimizer) -> Optional[str]:
     return None
 
 
-def _sends_as_is(compression) -> bool:
-    return getattr(compression, "sends_as_is", False)
-
-
 def _schedule_problem(o: Options, params) -> Optional[str]:
     schedules = methods.names("schedule")
     if o.schedule is not None and o.schedule not in schedules:
@@ -163,10 +168,10 @@ def _delay_problem(o: Options) -> Optional[str]:
         return str(e)
     if delay is None:
         return None
-    problem = delay.problem(_sends_as_is(o.compression))
+    problem = delay.problem(sends_as_is(o.compression))
     if problem is None and o.schedule is not None:
         problem = "delay= and schedule= cannot be combined; leave schedule=None"
-    if problem is None and not isinstance(o.compression, Compressor):
+    if problem is None and not is_native(o.compression):
         problem = "delay= needs an hvcomm compressor (Compression.*)"
     return problem
 

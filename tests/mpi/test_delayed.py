@@ -13,13 +13,13 @@ from training import (Net, assert_close, assert_same_everywhere, data, loss_fn, 
 
 STEPS = 8
 MODES = {
-    "od": dict(delay=hvd.Delay("od-sgd", warmup_steps=2)),
-    "od-dcasgd": dict(delay=hvd.Delay("od-sgd", warmup_steps=2, local_optimizer="dcasgd",
+    "od-sgd": dict(delay=hvd.Delay("od-sgd", warmup_steps=2)),
+    "od-sgd-dcasgd": dict(delay=hvd.Delay("od-sgd", warmup_steps=2, local_optimizer="dcasgd",
                                       dc_lambda=0.5, local_lr=0.2)),
-    "ssd": dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3, glu=0.5)),
-    "cd-topk": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3),
+    "ssd-sgd": dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3, glu=0.5)),
+    "cd-sgd-topk": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3),
                     compression=hvd.Compression.topk(0.2, scope="bucket")),
-    "cd-twobit": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=2),
+    "cd-sgd-twobit": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=2),
                       compression=hvd.Compression.twobit(0.01)),
 }
 
@@ -127,7 +127,7 @@ def test_od_the_local_step_by_hand():
 def test_cd_every_kth_step_in_full_precision():
     """CD with k=3 after 2 warm-up steps: delayed steps j = 2, 5 (steps 4, 7) go dense; a
     step's bytes show in comm_stats one step later."""
-    model, opt = build(**MODES["cd-topk"])
+    model, opt = build(**MODES["cd-sgd-topk"])
     dense = sum(p.numel() * 8 for p in model.parameters())
     payload = {}
     run(model, opt, STEPS, each_step=lambda s: payload.__setitem__(s - 1, opt.comm_stats.payload_bytes))

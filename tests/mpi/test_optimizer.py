@@ -10,7 +10,7 @@ from collectives import HvcommError
 
 from harness import default_dtype, expect_everywhere
 from training import (BATCH, Net, assert_close, assert_same_everywhere, data, loss_fn,
-                      make_opt, shard, train_distributed, train_serial)
+                      make_opt, shard, train_distributed, train_serial, train_steps)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,7 +45,6 @@ def test_backward_passes_per_step_2_and_steplr():
 
 
 def test_checkpoint_resume():
-    r = hvd.rank()
     full, _ = train_distributed(4)
     model, opt = train_distributed(2)
     state = copy.deepcopy(opt.state_dict())
@@ -54,11 +53,7 @@ def test_checkpoint_resume():
     model2.load_state_dict(weights)
     opt2 = hvd.DistributedOptimizer(make_opt(model2), named_parameters=model2.named_parameters())
     opt2.load_state_dict(state)
-    for s in range(2, 4):
-        x, y = data(s, hvd.size())
-        opt2.zero_grad()
-        loss_fn(model2, shard(x, r), shard(y, r)).backward()
-        opt2.step()
+    train_steps(model2, opt2, range(2, 4))
     assert_close(model2, full, tol=0)
 
 

@@ -28,16 +28,17 @@ import hvcomm.torch as hvd  # noqa: E402
 
 C = hvd.Compression
 METHODS = {  # every synchronisation hvcomm offers, small enough for a few steps on 3 ranks
-    "dense": {},
+    "none": {},
     "fp16": dict(compression=C.fp16),
     "topk": dict(compression=C.topk(0.1)),
     "gtopk": dict(compression=C.gtopk(0.1)),
     "randomk": dict(compression=C.randomk(0.1)),
     "twobit": dict(compression=C.twobit(0.01)),
+    "powersgd": dict(compression=C.powersgd(rank=2)),
     "wfbp": dict(schedule="wfbp"),
-    "od": dict(delay=hvd.Delay("od-sgd", warmup_steps=2)),
-    "ssd": dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3)),
-    "cd": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3), compression=C.twobit(0.01)),
+    "od-sgd": dict(delay=hvd.Delay("od-sgd", warmup_steps=2)),
+    "ssd-sgd": dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3)),
+    "cd-sgd": dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3), compression=C.twobit(0.01)),
     "p3": dict(schedule="p3", slice_elems=100),
 }
 

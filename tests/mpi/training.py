@@ -1,5 +1,5 @@
 """The small model, data and training loops the MPI tests of DistributedOptimizer share
-(test_optimizer.py, test_compression.py, test_delayed.py, test_schedule.py, test_vs_horovod.py,
+(test_optimizer.py, test_reducer.py, test_delayed.py, test_schedule.py, test_vs_horovod.py,
 and the scripts train_resumable.py and check_reproducible.py).
 
 Importing this module makes float64 torch's default dtype, as importing check_optimizer.py
@@ -58,6 +58,16 @@ def assert_same_everywhere(model):
 def assert_close(a, b, tol=1e-10):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=tol, rtol=0), f"{n}: max diff {(p - q).abs().max()}"
+
+
+def train_steps(model, opt, steps):
+    """Run ``opt`` on ``model`` for the given steps of the shared data (this rank's shard)."""
+    r = hvd.rank()
+    for s in steps:
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        loss_fn(model, shard(x, r), shard(y, r)).backward()
+        opt.step()
 
 
 def train_serial(steps, sched=False, passes=1):

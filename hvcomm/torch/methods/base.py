@@ -137,9 +137,10 @@ class Compressor:
     sends_as_is = False   # True for the identity (dense gradients as they are)
 
     def encode(self, tensor: torch.Tensor, step: int = 0, key: str = "",
-               shapes: Sequence[Tuple[int, ...]] = ()) -> Payload:
+               shapes: Sequence[Tuple[int, ...]] = (), names: Sequence[str] = ()) -> Payload:
         """``tensor``: a flat gradient (a bucket's), at synchronisation ``step``; ``key``
-        names the bucket; ``shapes``: its parameters' shapes, in order (empty if unknown)."""
+        names the bucket; ``shapes`` and ``names``: its parameters', in order (empty if
+        unknown)."""
         raise NotImplementedError
 
     def decode(self, result: Any, payload: Payload) -> torch.Tensor:
@@ -157,20 +158,45 @@ class Compressor:
         """Why this compressor cannot serve these gradient dtypes / communicator size."""
         return None
 
+    def for_optimizer(self) -> "Compressor":
+        """The instance one optimizer uses: itself, or a copy with state of its own where the
+        compressor keeps state between steps (so that optimizers never share it)."""
+        return self
+
     def state_dict(self) -> Optional[dict]:
         """State the compressor keeps between steps, for the checkpoint (None: none)."""
         return None
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError
+        raise HvcommError(f"the checkpoint holds compressor state, but {self!r} keeps none: "
+                          "load it into an optimizer with the compression it was saved with")
 
-    # Horovod's interface
+    # Horovod's interface: for compressors whose payload a dense allreduce can sum
     def compress(self, tensor: torch.Tensor, step: int = 0, key: str = ""):
+        self._check_horovod_interface()
         payload = self.encode(tensor, step, key)
         return payload.data, payload
 
     def decompress(self, data: Any, ctx: Payload) -> torch.Tensor:
+        self._check_horovod_interface()
         return self.decode(data, ctx)
+
+    def _check_horovod_interface(self) -> None:
+        if not isinstance(self.collective, Allreduce):
+            raise HvcommError(f"{self!r} needs its own collective ({self.collective.label}): "
+                              "use it as DistributedOptimizer(compression=...), not in "
+                              "compress()/decompress() or hvd.allreduce(compression=...)")
+
+
+def is_native(compressor: Any) -> bool:
+    """An hvcomm compressor (its own ``encode``), not one with Horovod's interface alone (an
+    object with ``compress``/``decompress``, a subclass of ``Compressor`` included)."""
+    return isinstance(compressor, Compressor) and type(compressor).encode is not Compressor.encode
+
+
+def sends_as_is(compression: Any) -> bool:
+    """The gradients travel as they are (``Compression.none``)."""
+    return getattr(compression, "sends_as_is", False)
 
 
 def check_density(density: float) -> float:
@@ -232,14 +258,15 @@ class CompressionMethod(Method):
     factory: Any = None
     role = "compression"
     takes_density = False   # the factory's first argument is the density (a sparse method)
+    scope = "model"         # a sparse method's scope, as its prediction models it
 
     def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
-        """The compressor with its defaults; a sparse method's with ``density``, selecting
-        over the whole model (as the simulator models it: one message after backward)."""
+        """The compressor with its defaults; a sparse method's with ``density`` and the
+        ``scope`` its prediction models."""
         f = self.factory
         if isinstance(f, Compressor):
             return {"compression": f}
-        return {"compression": f(density, scope="model") if self.takes_density else f()}
+        return {"compression": f(density, scope=self.scope) if self.takes_density else f()}
 
 
 class ScheduleMethod(Method):

@@ -9,13 +9,11 @@ parameters). At step t (after ``warmup_steps`` ordinary synchronous steps):
    on while step t+1 computes;
 2. the averaged gradient of step t-1 (its allreduce overlapped this step's forward and
    backward) advances W: ``W <- GlobalOpt(W, avg g_{t-1})``;
-3. the local weights move with this rank's own fresh gradient:
-   - a *reset* step (the method's ``is_reset``):
-     ``w <- W - lr_local * (g + wd*W + dc)``, with DC-ASGD's delay compensation
-     ``dc = dc_lambda * g*g*(W - w_t)`` when ``local_optimizer="dcasgd"`` (else 0);
-   - otherwise: ``w <- w - lr_local * (g + wd*w) + glu * (W - W_before)``: GLU adds
-     the global update just applied (W_before: W before step 2), the other workers'
-     contribution that the local weights would otherwise miss until the next reset.
+3. the local weights move with this rank's own fresh gradient, by the method's
+   ``local_step``: on a *reset* step (the method's ``is_reset``; every step but SSD-SGD's
+   in between) ``w <- W - lr_local * (g + wd*W + dc)``, with DC-ASGD's delay compensation
+   ``dc = dc_lambda * g*g*(W - w_t)`` when ``local_optimizer="dcasgd"`` (else 0); SSD-SGD's
+   steps in between add GLU (:mod:`ssd_sgd`).
 
 Steps the method sends in full precision (``is_full_precision``) go uncompressed; the others
 with the optimizer's compressor (with its error feedback). Warm-up steps are dense synchronous
@@ -98,25 +96,15 @@ def as_delay(delay) -> Optional[Delay]:
 def local_update(cfg: Delay, groups: Sequence[dict], W: Dict[torch.nn.Parameter, torch.Tensor],
                  W_before: Optional[Dict[torch.nn.Parameter, torch.Tensor]],
                  reset: bool) -> None:
-    """Move the local weights (the parameters) as the module docstring says."""
+    """Move the local weights (the parameters) by the method's ``local_step``."""
+    method = cfg.method
     for group in groups:
         lr = cfg.local_lr if cfg.local_lr is not None else group["lr"]
         wd = group.get("weight_decay", 0.0)
         for p in group["params"]:
-            if p not in W or p.grad is None:
-                continue
-            g = p.grad
-            if reset:
-                w_then = p.detach().clone() if cfg.local_optimizer == "dcasgd" else None
-                p.copy_(W[p])
-                step = g + wd * p if wd else g.clone()
-                if w_then is not None:
-                    step.add_(cfg.dc_lambda * g * g * (p - w_then))
-                p.sub_(lr * step)
-            else:
-                p.sub_(lr * (g + wd * p if wd else g))
-                if cfg.glu and W_before is not None:
-                    p.add_(cfg.glu * (W[p] - W_before[p]))
+            if p in W and p.grad is not None:
+                method.local_step(cfg, p, W[p], None if W_before is None else W_before[p],
+                                  lr, wd, reset)
 
 
 class Delayed(Strategy):
@@ -267,7 +255,22 @@ def delayed_s(case, coded_bytes_per_param: Optional[float] = None, k: int = 1) -
 
 
 class DelayedMethod(DelayMethod):
-    """A delay method whose prediction is :func:`delayed_s` with dense gradients."""
+    """A delay method on this module's machinery: its local step is a reset to the global
+    weights (``local_step``, the module docstring's step 3), and its prediction is
+    :func:`delayed_s` with dense gradients."""
+
+    def local_step(self, cfg: Delay, p: torch.nn.Parameter, W: torch.Tensor,
+                   W_before: Optional[torch.Tensor], lr: float, wd: float,
+                   reset: bool) -> None:
+        """A reset: ``w <- W - lr * (g + wd*W + dc)``, dc being DC-ASGD's compensation with
+        ``local_optimizer="dcasgd"``."""
+        g = p.grad
+        w_then = p.detach().clone() if cfg.local_optimizer == "dcasgd" else None
+        p.copy_(W)
+        step = g + wd * p if wd else g.clone()
+        if w_then is not None:
+            step.add_(cfg.dc_lambda * g * g * (p - w_then))
+        p.sub_(lr * step)
 
     def predict(self, case):
         return delayed_s(case)

@@ -14,7 +14,7 @@ from .threshold import plan_threshold
 class FP16Compressor(Compressor):
     """Sends floating-point tensors as float16."""
 
-    def encode(self, tensor, step=0, key="", shapes=()):
+    def encode(self, tensor, step=0, key="", shapes=(), names=()):
         if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
             return Payload(tensor.to(torch.float16), tensor.numel(), tensor.dtype)
         return Payload(tensor, tensor.numel(), tensor.dtype)

@@ -21,8 +21,9 @@ class GTopKCompressor(TopKCompressor):
 
     def settle(self, residual, payload, result):
         lost = ~result.reached
-        residual.view(-1)[torch.from_numpy(payload.data[0][lost].astype(np.int64))] += \
-            torch.from_numpy(payload.data[1][lost])
+        pairs = payload.data
+        residual.view(-1)[torch.from_numpy(pairs.indices[lost].astype(np.int64))] += \
+            torch.from_numpy(pairs.values[lost])
 
 
 class GTopK(CompressionMethod):

@@ -27,7 +27,7 @@ import torch
 from collectives.cost import ring_allreduce_s
 
 from .. import timeline
-from .base import ScheduleMethod
+from .base import ScheduleMethod, sends_as_is
 from .buckets import CommStats, as_numpy, flat_grad
 from .strategy import BaseStep, Strategy, in_flight_error
 
@@ -285,9 +285,8 @@ def p3_period_s(case, iterations: int = 5) -> float:
     does. The next iteration's forward of a layer waits only for that layer's slices and its
     share of the update."""
     trace, p, ab, slice_elems = case.trace, case.workers, case.ab, case.slice_elems
-    tensors = [(li, n) for li, layer in enumerate(trace.layers)
-               for n in ([math.prod(s) for s in layer.shapes] or ([layer.params]
-                                                                  if layer.params else []))]
+    tensors = [(li, math.prod(shape)) for li, layer in enumerate(trace.layers)
+               for shape in layer.tensors()]
     vector = len(tensors) * trace.bytes_per_param        # readiness, appended to each slice
     negotiation = ring_allreduce_s(p, 8 * len(tensors), ab)
     done = [0.0] * len(trace.layers)  # when each layer's slices of the last iteration were summed
@@ -333,7 +332,7 @@ class P3Schedule(ScheduleMethod):
     takes_model = True
 
     def problem(self, o, params):
-        if not getattr(o.compression, "sends_as_is", False):
+        if not sends_as_is(o.compression):
             return ("schedule='p3' sends dense slices and takes no compression; use "
                     "compression=Compression.none or a merging schedule such as 'mgwfbp'")
         if not isinstance(o.slice_elems, int) or o.slice_elems < 1:

@@ -14,16 +14,22 @@ by the rest), with this rank's error added (M = gradient + residual):
    start the next step (warm start).
 
 Q starts as standard normal numbers drawn from ``torch.Generator().manual_seed(
-seed * 1_000_003 + crc32(f"{key}#{j}"))`` in float64 (key: the bucket's name, j: the matrix's
-position in it), the same on every rank. A matrix whose rank-r factors are no smaller than
-itself (r * (n + m) >= n * m) is sent dense. The Q factors are in the optimizer's checkpoint.
+seed * 1_000_003 + crc32(name))`` in float64 (name: the parameter's), the same on every rank,
+and is drawn so again wherever a column of the summed Q is zero (a zero gradient would
+otherwise leave Q at zero for good). Q is kept per parameter (regrouping keeps it) and is in
+the optimizer's checkpoint. A matrix whose rank-r factors are no smaller than itself
+(r * (n + m) >= n * m) is sent dense.
+
+The residual is settled after the collective (what the approximation did not carry), as
+gTop-k's: until then the whole gradient counts as sent, so with ``delay=``, where the next
+step is encoded before this one is collected, nothing is sent twice.
 """
 from __future__ import annotations
 
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,24 +38,46 @@ from collectives.errors import HvcommError
 
 from .base import (Collective, CompressionMethod, Compressor, Payload, float_problem,
                    ring_bytes)
+from .buckets import ONE_BUCKET_BYTES
+
+
+def low_rank(shape: Sequence[int], rank: int) -> Optional[Tuple[int, int, int]]:
+    """(n, m, r) where a tensor of ``shape`` travels as rank-r factors of its n x m matrix,
+    or None where it travels dense (a vector, or factors no smaller than the matrix)."""
+    if len(shape) < 2 or not math.prod(shape):
+        return None
+    n = shape[0]
+    m = math.prod(shape) // n
+    r = min(rank, n, m)
+    return (n, m, r) if r * (n + m) < n * m else None
+
+
+@dataclass
+class Matrix:
+    """One low-rank part of a bucket: its parameter's ``name``, where it lies in the flat
+    gradient (``offset``, ``n`` x ``m``), this rank's M (a copy) and the Q it starts from."""
+
+    name: str
+    offset: int
+    n: int
+    m: int
+    M: torch.Tensor
+    Q: torch.Tensor
 
 
 @dataclass
 class LowRankPayload(Payload):
-    """``matrices``: (offset, n, m) of each low-rank part of the flat gradient, with its M
-    (``data[0]``) and Q (``data[1]``); ``dense``: (offset, numel) of the parts sent as they
-    are, concatenated in ``data[2]``; ``key``: the bucket's name (its Q factors' key)."""
+    """A bucket for PowerSGD: its ``matrices``, and the parts sent as they are (``dense``:
+    (offset, numel) each; their values concatenated in ``data``)."""
 
-    matrices: List[Tuple[int, int, int]] = field(default_factory=list)
+    matrices: List[Matrix] = field(default_factory=list)
     dense: List[Tuple[int, int]] = field(default_factory=list)
-    key: str = ""
 
     @property
     def nbytes(self) -> int:
         """What travels: the P and Q factors and the dense parts."""
-        ms, qs, vec = self.data
-        return sum((m.shape[0] + q.shape[0]) * q.shape[1] * q.element_size()
-                   for m, q in zip(ms, qs)) + vec.numel() * vec.element_size()
+        return sum((x.n + x.m) * x.Q.shape[1] * x.Q.element_size() for x in self.matrices) \
+            + self.data.numel() * self.data.element_size()
 
 
 @dataclass
@@ -71,76 +99,76 @@ class PowerIteration(Collective):
     def run(self, comm, payload):
         from ..ops import sum_in_place
         from .buckets import as_numpy
-        ms, qs, vec = payload.data
-        ps = [m @ q for m, q in zip(ms, qs)]
-        first = torch.cat([p.reshape(-1) for p in ps] + [vec])
+        mats = payload.matrices
+        first = torch.cat([(x.M @ x.Q).reshape(-1) for x in mats] + [payload.data])
         sum_in_place(comm, as_numpy(first))
         sent = ring_bytes(comm, first.nbytes)
         ps, at = [], 0
-        for m, q in zip(ms, qs):
-            n, r = m.shape[0], q.shape[1]
-            ps.append(torch.linalg.qr(first[at:at + n * r].view(n, r), mode="reduced")[0])
-            at += n * r
+        for x in mats:
+            r = x.Q.shape[1]
+            ps.append(torch.linalg.qr(first[at:at + x.n * r].view(x.n, r), mode="reduced")[0])
+            at += x.n * r
         dense = first[at:]
-        second = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]
+        second = torch.cat([(x.M.T @ p).reshape(-1) for x, p in zip(mats, ps)]
                            or [first.new_zeros(0)])
         if second.numel():
             sum_in_place(comm, as_numpy(second))
             sent += ring_bytes(comm, second.nbytes)
-        summed, at = [], 0
-        for m, q in zip(ms, qs):
-            size = m.shape[1] * q.shape[1]
-            summed.append(second[at:at + size].view(m.shape[1], q.shape[1]))
+        qs, at = [], 0
+        for x in mats:
+            size = x.m * x.Q.shape[1]
+            qs.append(second[at:at + size].view(x.m, x.Q.shape[1]))
             at += size
-        return LowRankSum(ps, summed, dense, comm.Get_size()), sent
+        return LowRankSum(ps, qs, dense, comm.Get_size()), sent
 
 
 class PowerSGDCompressor(Compressor):
-    """``rank``: r, the approximation's rank; ``seed``: Q's first draw."""
+    """``rank``: r, the approximation's rank; ``seed``: Q's first draw (0 <= seed < 2**31).
+    Keeps Q between steps: each optimizer works on its own copy (:meth:`for_optimizer`)."""
 
     collective = PowerIteration()
     error_feedback = True
 
     def __init__(self, rank: int = 4, seed: int = 0):
-        if not isinstance(rank, int) or rank < 1:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise HvcommError(f"rank must be a positive integer, got {rank!r}")
-        if not isinstance(seed, int):
-            raise HvcommError(f"seed must be an integer, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 31:
+            raise HvcommError(f"seed must be an integer in [0, 2**31), got {seed!r}")
         self.rank, self.seed = rank, seed
-        self._q: Dict[str, List[torch.Tensor]] = {}  # bucket key -> each matrix's last Q
+        self._q: Dict[str, torch.Tensor] = {}  # parameter name -> its last summed Q
 
-    def _first_q(self, key: str, j: int, m: int, r: int, dtype) -> torch.Tensor:
-        seed = self.seed * 1_000_003 + zlib.crc32(f"{key}#{j}".encode())
-        gen = torch.Generator().manual_seed(seed)
+    def for_optimizer(self) -> "PowerSGDCompressor":
+        return PowerSGDCompressor(self.rank, self.seed)
+
+    def _first_q(self, name: str, m: int, r: int, dtype) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.randn((m, r), generator=gen, dtype=torch.float64).to(dtype)
 
-    def encode(self, tensor, step=0, key="", shapes=()):
+    def encode(self, tensor, step=0, key="", shapes=(), names=()):
         flat = tensor.detach().reshape(-1)
         shapes = shapes or [(flat.numel(),)]
-        ms, matrices, dense, vec, offset = [], [], [], [], 0
-        for shape in shapes:
-            numel = math.prod(shape)
-            n = shape[0] if len(shape) >= 2 else 0
-            m = numel // n if n else 0
-            r = min(self.rank, n, m)
-            if n and r * (n + m) < n * m:
-                matrices.append((offset, n, m))
-                ms.append(flat[offset:offset + numel].view(n, m).clone())
-            else:
+        names = names or [f"{key}#{j}" for j in range(len(shapes))]
+        matrices, dense, values, offset = [], [], [], 0
+        for name, shape in zip(names, shapes):
+            numel, factors = math.prod(shape), low_rank(shape, self.rank)
+            part = flat[offset:offset + numel]
+            if factors is None:
                 dense.append((offset, numel))
-                vec.append(flat[offset:offset + numel])
+                values.append(part)
+            else:
+                n, m, r = factors
+                q = self._q.get(name)
+                if q is None or q.shape != (m, r) or q.dtype != flat.dtype:
+                    q = self._q[name] = self._first_q(name, m, r, flat.dtype)
+                matrices.append(Matrix(name, offset, n, m, part.view(n, m).clone(), q))
             offset += numel
-        if key not in self._q or len(self._q[key]) != len(ms):
-            self._q[key] = [self._first_q(key, j, m_.shape[1], min(self.rank, *m_.shape),
-                                          flat.dtype) for j, m_ in enumerate(ms)]
-        vec = torch.cat(vec) if vec else flat.new_zeros(0)
-        return LowRankPayload((ms, list(self._q[key]), vec), flat.numel(), flat.dtype,
-                              matrices=matrices, dense=dense, key=key)
+        values = torch.cat(values) if values else flat.new_zeros(0)
+        return LowRankPayload(values, flat.numel(), flat.dtype, matrices=matrices, dense=dense)
 
     def decode(self, result, payload):
         out = torch.zeros(payload.numel, dtype=payload.dtype)
-        for (offset, n, m), p, q in zip(payload.matrices, result.ps, result.qs):
-            out[offset:offset + n * m] = (p @ q.T).reshape(-1)
+        for x, p, q in zip(payload.matrices, result.ps, result.qs):
+            out[x.offset:x.offset + x.n * x.m] = (p @ q.T).reshape(-1)
         at = 0
         for offset, numel in payload.dense:
             out[offset:offset + numel] = result.dense[at:at + numel]
@@ -148,27 +176,30 @@ class PowerSGDCompressor(Compressor):
         return out
 
     def residual(self, acc, payload):
-        """The dense parts travel exactly (nothing kept); the matrices keep M until
-        :meth:`settle` subtracts the average approximation."""
-        flat = acc.view(-1)
-        for offset, numel in payload.dense:
-            flat[offset:offset + numel] = 0
-        return acc
+        """Nothing until :meth:`settle`: the dense parts travel exactly, and what the
+        matrices' approximation leaves is known only after the collective."""
+        return acc.zero_()
 
     def settle(self, residual, payload, result):
         flat = residual.view(-1)
-        for (offset, n, m), p, q in zip(payload.matrices, result.ps, result.qs):
-            flat[offset:offset + n * m] -= (p @ q.T).reshape(-1) / result.size
-        self._q[payload.key] = [q.clone() for q in result.qs]  # warm start
+        for x, p, q in zip(payload.matrices, result.ps, result.qs):
+            flat[x.offset:x.offset + x.n * x.m] += (x.M - p @ q.T / result.size).reshape(-1)
+            zero = bool((q.norm(dim=0) == 0).any())  # the same on every rank: q is a sum
+            self._q[x.name] = self._first_q(x.name, x.m, q.shape[1], q.dtype) if zero \
+                else q.clone()
 
     def problem(self, dtypes, size):
         return float_problem(dtypes, repr(self))
 
     def state_dict(self):
-        return {"q": {k: [q.clone() for q in qs] for k, qs in self._q.items()}}
+        return {"rank": self.rank, "q": {k: q.clone() for k, q in self._q.items()}}
 
     def load_state_dict(self, state):
-        self._q = {k: [q.clone() for q in qs] for k, qs in state["q"].items()}
+        if state.get("rank") != self.rank:
+            raise HvcommError(f"the checkpoint's PowerSGD Q factors are of rank "
+                              f"{state.get('rank')}, this optimizer's of rank {self.rank}: "
+                              "load it with the same Compression.powersgd(rank=...)")
+        self._q = {k: q.clone() for k, q in state["q"].items()}
 
     def __repr__(self):
         return f"Compression.powersgd(rank={self.rank}, seed={self.seed})"
@@ -176,25 +207,25 @@ class PowerSGDCompressor(Compressor):
 
 class PowerSGD(CompressionMethod):
     def predict(self, case):
-        """The default fusion's buckets after backward as one bucket: an allreduce of the P
-        factors and the vectors, then one of the Q factors, of rank ``case.rank``; the two
-        products read each gradient r times (charged as r selection passes, an assumption)."""
+        """One bucket after backward (as :meth:`optimizer_options` runs it): an allreduce of
+        the P factors and the dense parts, then one of the Q factors, of rank ``case.rank``;
+        the two products read each gradient r times (charged as r selection passes, an
+        assumption)."""
         trace, r = case.trace, case.rank
-        p_bytes = q_bytes = 0
+        p_elems = q_elems = 0
         for layer in trace.layers:
-            for shape in layer.shapes or ((layer.params,) if layer.params else ()):
-                numel = math.prod(shape)
-                n = shape[0] if len(shape) >= 2 else 0
-                m = numel // n if n else 0
-                if n and min(r, n, m) * (n + m) < n * m:
-                    p_bytes += n * min(r, n, m)
-                    q_bytes += m * min(r, n, m)
-                else:
-                    p_bytes += numel
+            for shape in layer.tensors():
+                factors = low_rank(shape, r)
+                p_elems += factors[0] * factors[2] if factors else math.prod(shape)
+                q_elems += factors[1] * factors[2] if factors else 0
         bpp = trace.bytes_per_param
         local = case.local(trace.params * r * case.compute.select_s_per_element)
-        return trace.compute_s + local + ring_allreduce_s(case.workers, p_bytes * bpp, case.ab) \
-            + ring_allreduce_s(case.workers, q_bytes * bpp, case.ab)
+        return trace.compute_s + local + ring_allreduce_s(case.workers, p_elems * bpp, case.ab) \
+            + ring_allreduce_s(case.workers, q_elems * bpp, case.ab)
+
+    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
+        """Rank 4, every gradient in one bucket after backward, as :meth:`predict` models."""
+        return {"compression": self.factory(), "fusion_threshold_bytes": ONE_BUCKET_BYTES}
 
 
 METHOD = PowerSGD("powersgd", "rank-r factors by power iteration, two allreduces, error feedback",

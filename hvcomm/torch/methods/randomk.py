@@ -10,7 +10,8 @@ import torch
 
 from collectives.errors import HvcommError
 
-from .base import CompressionMethod, Compressor, Payload, check_density, float_problem, zero_at
+from .base import (CompressionMethod, Compressor, Payload, check_density, check_scope,
+                   float_problem, zero_at)
 from .schedule import dense_schedule_s
 from .wfbp import plan_wfbp
 
@@ -31,11 +32,11 @@ class RandomKCompressor(Compressor):
                  variant: str = "unbiased"):
         if variant not in self.VARIANTS:
             raise HvcommError(f"randomk variant must be one of {self.VARIANTS}, got {variant!r}")
-        self.density, self.seed, self.scope = check_density(density), seed, scope
+        self.density, self.seed, self.scope = check_density(density), seed, check_scope(scope)
         self.variant = variant
         self.error_feedback = variant == "error_feedback"
 
-    def encode(self, tensor, step=0, key="", shapes=()):
+    def encode(self, tensor, step=0, key="", shapes=(), names=()):
         flat = tensor.detach().reshape(-1)
         k = min(flat.numel(), max(1, int(self.density * flat.numel())))
         rng = np.random.default_rng([self.seed, step, zlib.crc32(key.encode())])
@@ -63,6 +64,7 @@ class RandomKCompressor(Compressor):
 
 class RandomK(CompressionMethod):
     takes_density = True
+    scope = "layer"
 
     def predict(self, case):
         """Each layer's k values allreduced as soon as its gradient is ready (scope "layer"):

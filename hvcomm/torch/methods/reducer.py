@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .base import ADASUM, Compressor, Payload
+from .base import ADASUM, Compressor, Payload, is_native
 from .buckets import Bucket
 from .memory import ErrorFeedback
 
@@ -33,7 +33,7 @@ class _HorovodCompressor(Compressor):
     def __init__(self, compressor: Any):
         self.compressor = compressor
 
-    def encode(self, tensor, step=0, key="", shapes=()):
+    def encode(self, tensor, step=0, key="", shapes=(), names=()):
         data, ctx = self.compressor.compress(tensor)
         return Payload(data.contiguous(), tensor.numel(), tensor.dtype, ctx=ctx)
 
@@ -48,8 +48,8 @@ class Reducer:
 
     def __init__(self, engine, compressor: Any, memory: ErrorFeedback, comm=None,
                  adasum: bool = False):
-        if not isinstance(compressor, Compressor):
-            compressor = _HorovodCompressor(compressor)
+        compressor = compressor.for_optimizer() if is_native(compressor) \
+            else _HorovodCompressor(compressor)
         self.engine, self.compressor, self.memory = engine, compressor, memory
         self.comm = comm  # None: the engine's (every rank); else a process set's
         self.collective = ADASUM if adasum else compressor.collective
@@ -57,7 +57,7 @@ class Reducer:
     def start(self, bucket: Bucket, flat: torch.Tensor, step: int) -> InFlight:
         comp, names, numels = self.compressor, bucket.names, bucket.numels
         acc = self.memory.compensate(names, numels, flat) if comp.error_feedback else flat
-        payload = comp.encode(acc, step, bucket.key, bucket.shapes)
+        payload = comp.encode(acc, step, bucket.key, bucket.shapes, bucket.names)
         if comp.error_feedback:
             self.memory.store(names, numels, comp.residual(acc, payload))
         collective = self.collective

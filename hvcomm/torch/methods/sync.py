@@ -128,10 +128,10 @@ class Synchronous(Strategy):
         if any(b.pending is not None for b in self.buckets):
             raise in_flight_error()
         if state is not None:
+            if "compressor" in state:  # first: it refuses state of another compression
+                self._reducer.compressor.load_state_dict(state["compressor"])
             self.steps = state["step"]
             self.memory.load_state_dict(state["residuals_by_param"])
-            if "compressor" in state:
-                self._reducer.compressor.load_state_dict(state["compressor"])
         for b in self.buckets:
             b.ready = 0
         self._next_launch = 0

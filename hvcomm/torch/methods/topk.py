@@ -3,6 +3,8 @@
 What was not sent stays in the residual (error feedback)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -18,6 +20,13 @@ from .selection import SampledTopk, exact_topk
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # DGC's densities before the final one
 
 
+class Pairs(NamedTuple):
+    """What a sparse payload carries: sorted indices into the flat gradient, and their values."""
+
+    indices: np.ndarray
+    values: np.ndarray
+
+
 class SparsePairs(Collective):
     """Each rank's k (index, value) pairs summed by the sparse collective of
     :mod:`collectives` named ``function`` (its result has the sum and what this rank sent)."""
@@ -26,8 +35,9 @@ class SparsePairs(Collective):
         self.label, self.function = label, function
 
     def run(self, comm, payload):
-        res = getattr(C, self.function)(comm, *payload.data, payload.numel, payload.k,
-                                        check=False)
+        pairs = payload.data
+        res = getattr(C, self.function)(comm, pairs.indices, pairs.values, payload.numel,
+                                        payload.k, check=False)
         return res, res.sent_bytes
 
 
@@ -62,11 +72,11 @@ class TopKCompressor(Compressor):
     def k_for(self, n: int, step: int) -> int:
         return min(n, max(1, int(self.density_at(step) * n)))
 
-    def encode(self, tensor, step=0, key="", shapes=()):
+    def encode(self, tensor, step=0, key="", shapes=(), names=()):
         x = tensor.detach().reshape(-1).numpy()
         k = self.k_for(x.size, step)
         idx = np.sort(self._select(x, k)).astype(index_dtype(x.size))
-        return Payload((idx, np.ascontiguousarray(x[idx])), x.size, tensor.dtype, k=k)
+        return Payload(Pairs(idx, np.ascontiguousarray(x[idx])), x.size, tensor.dtype, k=k)
 
     def decode(self, result, payload):
         dense = torch.zeros(payload.numel, dtype=payload.dtype)
@@ -74,7 +84,7 @@ class TopKCompressor(Compressor):
         return dense
 
     def residual(self, acc, payload):
-        return zero_at(acc, payload.data[0])
+        return zero_at(acc, payload.data.indices)
 
     def problem(self, dtypes, size):
         return float_problem(dtypes, repr(self))

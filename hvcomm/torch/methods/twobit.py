@@ -22,7 +22,7 @@ class TwoBitCompressor(Compressor):
             raise HvcommError(f"threshold must be > 0, got {threshold!r}")
         self.threshold = float(threshold)
 
-    def encode(self, tensor, step=0, key="", shapes=()):
+    def encode(self, tensor, step=0, key="", shapes=(), names=()):
         codes = (tensor >= self.threshold).to(torch.int8) - (tensor <= -self.threshold).to(torch.int8)
         return Payload(codes, tensor.numel(), tensor.dtype)
 
