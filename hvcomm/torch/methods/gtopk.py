@@ -30,10 +30,9 @@ class GTopK(CompressionMethod):
     takes_density = True
 
     def predict(self, case):
-        p, k = case.workers, case.k
-        pair = 4 + case.trace.bytes_per_param
-        return sparse_after_backward_s(case, gtopk_allreduce_s(p, k, pair, case.ab)
-                                       + ceil_log2(p) * 2 * k * case.compute.merge_s_per_pair)
+        """gTopKAllReduce, then ceil(log2 P) merges of 2k pairs."""
+        return sparse_after_backward_s(
+            case, gtopk_allreduce_s, lambda p, k: ceil_log2(p) * 2 * k * case.compute.merge_s_per_pair)
 
 
 METHOD = GTopK("gtopk", "global top-k by gTopKAllReduce (log P tree), error feedback",

@@ -94,21 +94,23 @@ class TopKCompressor(Compressor):
                 f"warmup_steps={self.warmup_steps}, scope={self.scope!r})")
 
 
-def sparse_after_backward_s(case, comm_s: float) -> float:
+def sparse_after_backward_s(case, collective_s, merge_s) -> float:
     """One message of k pairs after backward: the computation, the selection over the d
-    gradients (or the measured local cost) and ``comm_s``."""
-    d = case.trace.params
-    return case.trace.compute_s + case.local(d * case.compute.select_s_per_element) + comm_s
+    gradients (or the measured local cost), the collective's time ``collective_s(p, k,
+    pair_bytes, ab)`` and its local merging ``merge_s(p, k)``."""
+    p, k, d = case.workers, case.k, case.trace.params
+    pair = 4 + case.trace.bytes_per_param
+    return case.trace.compute_s + case.local(d * case.compute.select_s_per_element) \
+        + collective_s(p, k, pair, case.ab) + merge_s(p, k)
 
 
 class TopK(CompressionMethod):
     takes_density = True
 
     def predict(self, case):
-        p, k = case.workers, case.k
-        pair = 4 + case.trace.bytes_per_param
-        return sparse_after_backward_s(case, topk_allgather_s(p, k, pair, case.ab)
-                                       + p * k * case.compute.sum_s_per_pair)
+        """Top-k AllGather, then summing the P*k gathered pairs."""
+        return sparse_after_backward_s(case, topk_allgather_s,
+                                       lambda p, k: p * k * case.compute.sum_s_per_pair)
 
 
 METHOD = TopK("topk", "top-k pairs summed by Top-k AllGather, error feedback",
