@@ -7,8 +7,8 @@ A method is one way of synchronising gradients. Its module (one file in this fol
   carries the collective that moves the :class:`Payload` (:class:`Collective`);
 - :class:`ScheduleMethod`: which gradients travel together, and when (``schedule=<name>``);
   it builds the strategy (:mod:`hvcomm.torch.methods.strategy`);
-- :class:`DelayMethod`: delayed synchronisation (``delay=<name>``): its step rules, around
-  the machinery of :mod:`hvcomm.torch.methods.delayed`.
+- :class:`hvcomm.torch.methods.delayed.DelayMethod`: delayed synchronisation (``delay=<name>``):
+  its step rules, around the machinery of that module.
 
 Each also predicts its iteration time for the simulator from a :class:`Case` (``predict``).
 Nothing here imports an MPI library: the simulator and the advisor read these modules without
@@ -229,8 +229,8 @@ def zero_at(acc: torch.Tensor, indices) -> torch.Tensor:
 # -- methods -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Method:
-    """``name``: the method's one name (API, simulator, advisor, replay, main job, results/).
-    ``simulated``: whether the simulator has a row for it."""
+    """``name``: the method's one name (API, simulator, advisor, replay, tests; the main job's
+    rows add their setting to it). ``simulated``: whether the simulator has a row for it."""
 
     name: str
     summary: str
@@ -282,20 +282,5 @@ class ScheduleMethod(Method):
 
     def strategy(self, setup):
         """The strategy (a :class:`hvcomm.torch.methods.strategy.Strategy`) for ``setup``
-        (:class:`hvcomm.torch.methods.strategy.Setup`)."""
+        (:class:`hvcomm.torch.methods.sync.Setup`)."""
         raise NotImplementedError
-
-
-class DelayMethod(Method):
-    """Delayed synchronisation: which delayed steps reset the local weights, which go in
-    full precision, and whether it needs a compressor (see
-    :mod:`hvcomm.torch.methods.delayed`)."""
-
-    role = "delay"
-    needs_compressor = False
-
-    def is_reset(self, delayed_index: int, k: int) -> bool:
-        return True
-
-    def is_full_precision(self, delayed_index: int, k: int) -> bool:
-        return False

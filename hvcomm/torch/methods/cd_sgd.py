@@ -5,11 +5,11 @@ with the correction as well delivered it in bursts that hurt (0.70 against 0.96 
 after 8 epochs of the digits job with 2-bit threshold 0.5)."""
 from __future__ import annotations
 
-from .delayed import DelayedMethod, delayed_s
+from .delayed import DelayMethod, delayed_s
 from .twobit import TwoBitCompressor
 
 
-class CDSGD(DelayedMethod):
+class CDSGD(DelayMethod):
     needs_compressor = True
 
     def is_full_precision(self, delayed_index, k):

@@ -30,7 +30,7 @@ from collectives.cost import ring_allreduce_s
 from collectives.errors import HvcommError
 
 from .. import timeline
-from .base import DelayMethod
+from .base import Method
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
 
@@ -254,10 +254,21 @@ def delayed_s(case, coded_bytes_per_param: Optional[float] = None, k: int = 1) -
     return ((k - 1) * coded + dense) / k + trace.update_s
 
 
-class DelayedMethod(DelayMethod):
-    """A delay method on this module's machinery: its local step is a reset to the global
-    weights (``local_step``, the module docstring's step 3), and its prediction is
+class DelayMethod(Method):
+    """Delayed synchronisation (``delay=<name>``) on this module's machinery: which delayed
+    steps reset the local weights (``is_reset``), which go in full precision
+    (``is_full_precision``), whether it needs a compressor, and the local step (by default a
+    reset to the global weights, the module docstring's step 3). Its prediction is
     :func:`delayed_s` with dense gradients."""
+
+    role = "delay"
+    needs_compressor = False
+
+    def is_reset(self, delayed_index: int, k: int) -> bool:
+        return True
+
+    def is_full_precision(self, delayed_index: int, k: int) -> bool:
+        return False
 
     def local_step(self, cfg: Delay, p: torch.nn.Parameter, W: torch.Tensor,
                    W_before: Optional[torch.Tensor], lr: float, wd: float,

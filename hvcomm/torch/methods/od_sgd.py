@@ -4,11 +4,7 @@ and moves them with this rank's fresh gradient, while last step's allreduce fini
 compensation."""
 from __future__ import annotations
 
-from .delayed import DelayedMethod
+from .delayed import DelayMethod
 
 
-class ODSGD(DelayedMethod):
-    pass
-
-
-METHOD = ODSGD("od-sgd", "one-step delayed allreduce; local step from the global weights")
+METHOD = DelayMethod("od-sgd", "one-step delayed allreduce; local step from the global weights")

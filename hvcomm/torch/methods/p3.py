@@ -27,7 +27,7 @@ import torch
 from collectives.cost import ring_allreduce_s
 
 from .. import timeline
-from .base import ScheduleMethod, sends_as_is
+from .base import ScheduleMethod, ring_bytes, sends_as_is
 from .buckets import CommStats, as_numpy, flat_grad
 from .strategy import BaseStep, Strategy, in_flight_error
 
@@ -125,7 +125,7 @@ class P3Round:
             everywhere |= buf[hi - lo:] > size - 0.5
             self.messages += 1
             self.payload_bytes += (hi - lo) * buf.itemsize
-            self.sent_bytes += 2 * (size - 1) / size * buf.nbytes
+            self.sent_bytes += ring_bytes(comm, buf.nbytes)
             self._slice_sent(i, next_slice[i])
             next_slice[i] += 1
             left -= 1

@@ -3,10 +3,10 @@ k-th; between resets GLU adds each global update to them (``glu``; see
 :mod:`hvcomm.torch.methods.delayed`)."""
 from __future__ import annotations
 
-from .delayed import DelayedMethod
+from .delayed import DelayMethod
 
 
-class SSDSGD(DelayedMethod):
+class SSDSGD(DelayMethod):
     def is_reset(self, delayed_index, k):
         return delayed_index % k == 0
 
