@@ -7,41 +7,49 @@ Each name below is imported from its submodule on first access (PEP 562), so tha
 the collectives import mpi4py's MPI when first used.
 """
 import importlib
-
-_SOURCES = {
-    "cost": ("AlphaBeta", "Calibration", "calibrate", "gtopk_allreduce_s", "ring_allreduce_s",
-             "slowest_times", "time_collective", "topk_allgather_s"),
-    "dense": ("allreduce", "iallreduce", "icast_allreduce"),
-    "errors": ("HvcommError", "check_agree", "raise_together"),
-    "handle": ("Pending",),
-    "merged": ("BucketPlan", "imerged_allreduce", "merged_allreduce"),
-    "sparse": ("SparseResult", "gtopk_allreduce", "igtopk_allreduce", "index_dtype",
-               "itopk_allgather", "merge_select", "select_topk", "topk_allgather"),
-}
-_SOURCE_OF = {name: module for module, names in _SOURCES.items() for name in names}
-_SUBMODULES = ("cost", "dense", "errors", "handle", "kernels", "merged", "plans", "reference",
-               "sparse", "workspace")
-
-__all__ = [
-    "AlphaBeta", "BucketPlan", "Calibration", "HvcommError", "Pending", "SparseResult",
-    "allreduce", "calibrate", "check_agree", "gtopk_allreduce", "gtopk_allreduce_s",
-    "iallreduce", "igtopk_allreduce", "icast_allreduce", "imerged_allreduce", "index_dtype", "itopk_allgather",
-    "merge_select", "merged_allreduce", "raise_together", "ring_allreduce_s", "select_topk",
-    "slowest_times",
-    "time_collective", "topk_allgather", "topk_allgather_s",
-]
+import importlib.util
+import pkgutil
+from typing import Dict, List, Sequence, Tuple
 
 
-def __getattr__(name):
-    if name in _SOURCE_OF:
-        value = getattr(importlib.import_module(f".{_SOURCE_OF[name]}", __name__), name)
-    elif name in _SUBMODULES:   # ``collectives.sparse`` after a bare ``import collectives``
-        value = importlib.import_module(f".{name}", __name__)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+def lazy_names(package: str, namespace: dict, sources: Dict[str, Sequence[str]],
+               aliases: Dict[str, Tuple[str, str]] = None) -> List[str]:
+    """Give ``namespace`` (the package's ``globals()``) a ``__getattr__`` and ``__dir__``: each
+    name of ``sources`` ({module: names}, ".x" relative to ``package``) comes from its module,
+    each of ``aliases`` ({name: (module, attribute)}) from that attribute, and any other name
+    that is a submodule is that submodule (``dir()`` lists them all); a value, once loaded,
+    stays in ``namespace``.
+    Returns the names, for ``__all__``. (``hvcomm.torch`` uses it too; defined here, not in a
+    submodule, so that ``import collectives`` loads nothing else.)"""
+    where = {name: (module, name) for module, names in sources.items() for name in names}
+    where.update(aliases or {})
+
+    def __getattr__(name):
+        if name in where:
+            module, attribute = where[name]
+            value = getattr(importlib.import_module(module, package), attribute)
+        elif importlib.util.find_spec(f"{package}.{name}") is not None:
+            value = importlib.import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    def __dir__():
+        submodules = {m.name for m in pkgutil.iter_modules(namespace.get("__path__", []))}
+        return sorted(set(namespace) | set(where) | submodules)
+
+    namespace.update(__getattr__=__getattr__, __dir__=__dir__)
+    return sorted(where)
 
 
-def __dir__():
-    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
+__all__ = lazy_names(__name__, globals(), {
+    ".cost": ("AlphaBeta", "Calibration", "calibrate", "gtopk_allreduce_s", "ring_allreduce_s",
+              "slowest_times", "time_collective", "topk_allgather_s"),
+    ".dense": ("allreduce", "iallreduce", "icast_allreduce"),
+    ".errors": ("HvcommError", "check_agree", "raise_together"),
+    ".handle": ("Pending",),
+    ".merged": ("BucketPlan", "imerged_allreduce", "merged_allreduce"),
+    ".sparse": ("SparseResult", "gtopk_allreduce", "igtopk_allreduce", "index_dtype",
+                "itopk_allgather", "merge_select", "select_topk", "topk_allgather"),
+})

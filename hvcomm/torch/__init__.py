@@ -4,8 +4,7 @@ The names load on first use (PEP 562), so that ``hvcomm.torch.methods``, which t
 and the advisor read, imports without an MPI library; ``import hvcomm.torch as hvd`` then
 ``hvd.init()`` works as in Horovod.
 """
-import importlib
-import importlib.util
+from collectives import lazy_names
 
 _EXPORTS = {
     ".autograd": ("allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
@@ -32,27 +31,7 @@ _EXPORTS = {
     ".sync_batch_norm": ("SyncBatchNorm",),
     ".timeline": ("stop_timeline",),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-_ALIASES = {"HvcommError": ("collectives.errors", "HvcommError"),
-            # Horovod's name for the error its collectives raise
-            "HorovodInternalError": ("collectives.errors", "HvcommError")}
-
-__all__ = sorted([*_MODULE_OF, *_ALIASES])
-
-
-def __getattr__(name):
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
-    elif name in _ALIASES:
-        module, attr = _ALIASES[name]
-        value = getattr(importlib.import_module(module), attr)
-    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__all__ = lazy_names(__name__, globals(), _EXPORTS, {
+    "HvcommError": ("collectives.errors", "HvcommError"),
+    # Horovod's name for the error its collectives raise
+    "HorovodInternalError": ("collectives.errors", "HvcommError")})
