@@ -47,7 +47,7 @@ __all__ = lazy_names(__name__, globals(), {
     ".cost": ("AlphaBeta", "Calibration", "calibrate", "gtopk_allreduce_s", "ring_allreduce_s",
               "slowest_times", "time_collective", "topk_allgather_s"),
     ".dense": ("allreduce", "iallreduce", "icast_allreduce"),
-    ".errors": ("HvcommError", "check_agree", "raise_together"),
+    ".errors": ("HorovodInternalError", "HvcommError", "check_agree", "raise_together"),
     ".handle": ("Pending",),
     ".merged": ("BucketPlan", "imerged_allreduce", "merged_allreduce"),
     ".sparse": ("SparseResult", "gtopk_allreduce", "igtopk_allreduce", "index_dtype",

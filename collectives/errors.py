@@ -15,6 +15,11 @@ class HvcommError(RuntimeError, ValueError):
         self.everywhere = everywhere
 
 
+class HorovodInternalError(HvcommError):
+    """A process of the job failed (Horovod's name): the collective in flight cannot finish.
+    Raised on every surviving rank; :func:`hvcomm.torch.elastic.run` recovers from it."""
+
+
 def raise_together(comm, local_error: Optional[str], what: str) -> None:
     """Raise HvcommError on every rank of ``comm`` if any rank reports an error.
 

@@ -33,5 +33,5 @@ _EXPORTS = {
 }
 __all__ = lazy_names(__name__, globals(), _EXPORTS, {
     "HvcommError": ("collectives.errors", "HvcommError"),
-    # Horovod's name for the error its collectives raise
-    "HorovodInternalError": ("collectives.errors", "HvcommError")})
+    "HorovodInternalError": ("collectives.errors", "HorovodInternalError"),
+    "HostsUpdatedInterrupt": (".elastic", "HostsUpdatedInterrupt")})

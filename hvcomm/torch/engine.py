@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from collectives.errors import HvcommError
 
-from . import timeline
+from . import fault, timeline
 from .watchdog import peer_error
 
 
@@ -79,7 +79,9 @@ class Engine:
                         result = job(comm)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 self.current = None
-                if self.watchdog is not None and not getattr(e, "everywhere", False):
+                if fault.is_process_failure(e):  # revokes hvcomm's communicators everywhere
+                    e = fault.failure_error(e, label)
+                elif self.watchdog is not None and not getattr(e, "everywhere", False):
                     self.watchdog.announce("failed", f"{label}: {type(e).__name__}: {e}")
                 handle._finish(error=e)
                 continue
@@ -136,4 +138,6 @@ class Engine:
     def close(self) -> None:
         if self._thread.is_alive() and not self.stuck:
             self._jobs.put(None)
-            self._thread.join()
+            # after a failure every job fails at once (its communicators are revoked), but a
+            # job that waits for the main thread (a P3 round) may wait for ever: leave it
+            self._thread.join(timeout=10.0 if fault.broken() else None)

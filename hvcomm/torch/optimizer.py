@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
@@ -16,8 +17,10 @@ from .methods import Compression
 from .methods.base import Compressor
 from .ops import Average
 from .options import Options, agree_on_parameters, averaging_comm, make_strategy
-from .process_sets import ProcessSet
+from .process_sets import ProcessSet, global_process_set
 from .runtime import runtime
+
+_made: List["weakref.ref"] = []  # every DistributedOptimizer, in the order they were made
 
 
 def _base_step(opt: torch.optim.Optimizer, closure=None):
@@ -29,6 +32,7 @@ class _DistributedMixin:
     """Placed in front of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _hvcomm_setup(self, o: Options) -> None:
+        self._hvcomm_options = o
         self.backward_passes_per_step = o.backward_passes_per_step
         self.op, self.gradient_predivide_factor = o.op, o.gradient_predivide_factor
         self.schedule, self.delay = o.schedule, o.delay
@@ -53,6 +57,20 @@ class _DistributedMixin:
                                        functools.partial(_base_step, self))
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._patch_step_function()
+
+    def _hvcomm_rebuild(self) -> None:
+        """Start again on the current runtime (after an elastic reset): a new strategy, as if
+        made now with the same options; its state comes from the next ``load_state_dict``
+        (``TorchState.restore``). Collective."""
+        o = self._hvcomm_options
+        if o.process_set is not None and o.process_set is not global_process_set:
+            raise HvcommError("DistributedOptimizer(process_set=...) cannot go on after a process "
+                              "failure: the world has shrunk and process sets are dissolved; "
+                              "average over every rank in elastic training", everywhere=True)
+        for hook in self._hook_handles:
+            hook.remove()
+        self._strategy.close()
+        self._hvcomm_setup(o)
 
     # -- what the strategies report ------------------------------------------------------------
     @property
@@ -225,4 +243,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)
     opt._hvcomm_setup(options.resolved(rt.fusion_threshold_bytes))
+    _made.append(weakref.ref(opt))
     return opt
+
+
+def rebuild_all() -> None:
+    """Every DistributedOptimizer still in use starts again on the current runtime, in the
+    order they were made (the same on every rank). Called by :mod:`hvcomm.torch.elastic`."""
+    alive = [opt for opt in (ref() for ref in _made) if opt is not None]
+    _made[:] = [weakref.ref(opt) for opt in alive]
+    for opt in alive:
+        opt._hvcomm_rebuild()

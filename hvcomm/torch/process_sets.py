@@ -7,6 +7,7 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError, check_agree
 
+from . import fault
 from .runtime import at_shutdown, runtime
 
 
@@ -95,6 +96,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     def job(comm):
         check_agree(comm, tuple(ps.ranks), "add_process_set", problem)
         sub = comm.Create(comm.Get_group().Incl(ps.ranks))
+        fault.track(sub)
         return None if sub == MPI.COMM_NULL else sub
 
     ps.comm = rt.engine.submit(job).wait()

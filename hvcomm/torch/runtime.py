@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
-from . import timeline
+from . import fault, timeline
 from .engine import Engine
 from .watchdog import Watchdog
 
@@ -24,9 +24,11 @@ class Runtime:
     cross_comm: MPI.Comm    # ranks with the same local rank, one per node
     engine: Engine          # tensor collectives, on a second duplicate
     fusion_threshold_bytes: int  # default bucket cap of DistributedOptimizer
+    world: MPI.Comm         # the communicator init() was given (elastic: shrinks it)
 
 
 _runtime: Optional[Runtime] = None
+_world: Optional[MPI.Comm] = None  # init()'s default once a failure has shrunk COMM_WORLD
 _previous_excepthook = None
 _shutdown_hooks: List[Callable[[], None]] = []
 
@@ -59,7 +61,9 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
          stall_shutdown_s: Optional[float] = None) -> None:
     """Start hvcomm on ``comm`` (default MPI.COMM_WORLD, also when Horovod is initialised).
 
-    ``comm`` may be an mpi4py communicator or, as in Horovod, a list of world ranks.
+    ``comm`` may be an mpi4py communicator or, as in Horovod, a list of world ranks; the
+    default is MPI.COMM_WORLD, or the survivors of it after :mod:`hvcomm.torch.elastic` has
+    gone on without a failed process.
     ``abort_on_error`` (default: env HVCOMM_ABORT_ON_ERROR, else True) installs an excepthook
     that aborts the whole job on an uncaught exception when more than one rank runs.
     ``stall_check_s`` (env HVCOMM_STALL_CHECK_S, default 60) and ``stall_shutdown_s``
@@ -70,7 +74,7 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     if _runtime is not None:
         return
     if comm is None:
-        comm = MPI.COMM_WORLD
+        comm = _world if _world is not None else MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
         ranks = list(comm)
         group = MPI.COMM_WORLD.Get_group().Incl(ranks)
@@ -82,20 +86,28 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
         if hvd.size() != comm.Get_size():
             raise HvcommError(f"init: Horovod runs on {hvd.size()} ranks but the communicator has "
                               f"{comm.Get_size()}; pass the communicator Horovod was given")
+    # each communicator is tracked as soon as it exists: a failure during init() revokes it
+    fault.track(comm)
     user = comm.Dup()
+    fault.track(user)
     local = user.Split_type(MPI.COMM_TYPE_SHARED, key=user.Get_rank())
     cross = user.Split(local.Get_rank(), user.Get_rank())
+    fault.track(local, cross)
     threshold = int(os.environ.get("HVCOMM_FUSION_THRESHOLD_BYTES", 25 * 2**20))  # DDP default
     engine = Engine(user.Dup())
+    fault.track(engine.comm)
     if stall_check_s is None:
         stall_check_s = float(os.environ.get("HVCOMM_STALL_CHECK_S", 60))
     if stall_shutdown_s is None and os.environ.get("HVCOMM_STALL_SHUTDOWN_S"):
         stall_shutdown_s = float(os.environ["HVCOMM_STALL_SHUTDOWN_S"])
     engine.watchdog = Watchdog(engine.comm.Dup(), engine, stall_check_s, stall_shutdown_s)
-    _runtime = Runtime(user, local, cross, engine, threshold)
+    fault.track(engine.watchdog.comm)
+    _runtime = Runtime(user, local, cross, engine, threshold, comm)
     if abort_on_error is None:
         abort_on_error = os.environ.get("HVCOMM_ABORT_ON_ERROR", "1") != "0"
-    if abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
+    if fault.enabled():  # a failed process is revoked around, not aborted on
+        fault.install_ending(lambda: _world)
+    elif abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
         _previous_excepthook, sys.excepthook = sys.excepthook, _abort_on_uncaught
     if os.environ.get("HVCOMM_TIMELINE"):
         start_timeline(os.environ["HVCOMM_TIMELINE"])
@@ -109,10 +121,11 @@ def shutdown() -> None:
         return
     rt = _runtime
     watchdog = rt.engine.watchdog
-    if rt.comm.Get_size() > 1 and not MPI.Is_finalized():
+    usable = not MPI.Is_finalized() and not fault.broken()  # a failure revoked them
+    if rt.comm.Get_size() > 1 and usable:
         watchdog.announce("bye", "")
     rt.engine.close()
-    if rt.engine.stuck and not MPI.Is_finalized():
+    if rt.engine.stuck and usable:
         watchdog.wait_for_departures(10.0)
         sys.stderr.write(f"hvcomm: rank {rt.comm.Get_rank()} shuts down with a collective "
                          "that can never finish; aborting the job\n")
@@ -122,11 +135,25 @@ def shutdown() -> None:
         fn()
     timeline.stop_timeline()
     _runtime = None
-    if not MPI.Is_finalized():
+    if usable:
         for c in (watchdog.comm, rt.engine.comm, rt.cross_comm, rt.local_comm, rt.comm):
             c.Free()
+    fault.untrack_all()
     if _previous_excepthook is not None:
         sys.excepthook, _previous_excepthook = _previous_excepthook, None
+
+
+def world() -> MPI.Comm:
+    """The communicator hvcomm runs on, or will run on at the next init()."""
+    if _runtime is not None:
+        return _runtime.world
+    return _world if _world is not None else MPI.COMM_WORLD
+
+
+def continue_on(survivors: MPI.Comm) -> None:
+    """After a failure: the next init() (without a communicator) starts on ``survivors``."""
+    global _world
+    _world = survivors
 
 
 def is_initialized() -> bool:

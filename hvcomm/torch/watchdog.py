@@ -20,6 +20,8 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
+from . import fault
+
 TAG = 7471
 
 
@@ -55,7 +57,8 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        MPI.Request.Waitall(self._sends)  # small messages: complete once buffered
+        if not fault.broken():  # after a failure, sends to a dead rank never complete
+            MPI.Request.Waitall(self._sends)  # small messages: complete once buffered
 
     # -- the thread -------------------------------------------------------------------------
     def _period(self) -> float:
@@ -67,6 +70,9 @@ class Watchdog:
                 self._receive()
                 self._inspect()
             except Exception as e:  # noqa: BLE001 - the watchdog must never take a rank down
+                if fault.is_process_failure(e):
+                    fault.revoke()
+                    return  # its communicator is revoked: the elastic layer takes over
                 print(f"hvcomm watchdog on rank {self.rank}: {e!r}", file=sys.stderr)
 
     def _receive(self) -> None:

@@ -217,6 +217,9 @@ class Delayed(Strategy):
             return {n: p.detach().clone() for p, n in zip(self.params, self.names)}
         return {n: self._W[p] for p, n in zip(self.params, self.names)}
 
+    def close(self) -> None:
+        self.sync.close()
+
     def state_dict(self):
         averaged = self._collect_previous()  # waits for, but does not apply, the last step's
         state = self.sync.state_dict()

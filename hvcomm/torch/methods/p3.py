@@ -265,6 +265,11 @@ class P3(Strategy):
     def finish_pending(self) -> None:
         self._finish_deferred()
 
+    def close(self) -> None:
+        for hook in self._module_hooks:
+            hook.remove()
+        self._module_hooks.clear()
+
     def state_dict(self):
         self._finish_deferred()
         return {"step": self.steps, "residuals_by_param": {}}

@@ -72,6 +72,10 @@ class Strategy:
         """The global weights by parameter name, where the strategy keeps them apart."""
         raise HvcommError("global_weights() is for delay=... optimizers")
 
+    def close(self) -> None:
+        """Detach what the strategy attached to the model; it is not used again (an elastic
+        reset builds a new one on the survivors)."""
+
     def state_dict(self) -> Dict[str, Any]:
         raise NotImplementedError
 

@@ -1,0 +1,205 @@
+"""Process failures under MPI's own fault tolerance (ULFM: ``mpirun --with-ft ulfm``).
+
+What hvcomm does when a process of the job dies, and the one place that knows the facts:
+
+- :func:`enabled`: the job runs with fault tolerance (Open MPI sets ``OMPI_MCA_mpi_ft_enable``
+  under ``--with-ft ulfm``, and the library has MPI_Comm_revoke/shrink/agree). Without it, a
+  lost rank ends the whole job, as it always has.
+- Every communicator hvcomm makes is :func:`track`-ed. The first MPI error that says a process
+  failed (:func:`is_process_failure`) :func:`revoke`-s all of them, so that every surviving
+  rank's pending or next hvcomm call fails at once (ERR_REVOKED) instead of waiting for a rank
+  that waits for the dead one; the caller gets :class:`HorovodInternalError`.
+- :mod:`hvcomm.torch.elastic` then shrinks the world (:func:`shrink`) and starts hvcomm again
+  on the survivors.
+- A process that survived a failure must not call a plain ``MPI_Finalize``: when a host has
+  lost all its ranks, Open MPI 5's finalize waits in a PMIx fence for that host's daemon, which
+  has gone (measured: the survivors sit in ``ompi_mpi_finalize`` for ever; with one live rank
+  left on every host it returns). :func:`end_process` finalizes with a deadline instead, and a
+  rank whose exception escapes kills itself with SIGKILL: a process that merely exits is not
+  reported to the others by Open MPI 5 (they would wait for it for ever), a killed one is.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import List, Optional
+
+from mpi4py import MPI
+
+from collectives.errors import HorovodInternalError
+
+# ERR_IN_STATUS: how a wait on several requests (the sparse collectives' rounds) reports one
+# of them failing; under fault tolerance that is a failed peer
+FAILURE_CLASSES = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED,
+                   MPI.ERR_IN_STATUS)
+
+_tracked: List[MPI.Comm] = []
+_failures = 0          # failures seen in this process (a failure revokes once per world)
+_revoked = False       # the tracked communicators are revoked (until the next world)
+_exit_status: object = 0
+_ending_installed = False
+
+
+def enabled() -> bool:
+    """True when this job runs with MPI fault tolerance (``mpirun --with-ft ulfm``)."""
+    flag = os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "t")
+    return flag and hasattr(MPI.Comm, "Shrink") and "Open MPI" in MPI.Get_library_version()
+
+
+def is_process_failure(error: BaseException) -> bool:
+    """The MPI error says a process of the communicator failed, or another rank revoked it."""
+    return isinstance(error, MPI.Exception) and error.Get_error_class() in FAILURE_CLASSES
+
+
+def track(*comms: MPI.Comm) -> None:
+    """Revoke these communicators when a process fails."""
+    _tracked.extend(c for c in comms if c != MPI.COMM_NULL)
+
+
+def untrack_all() -> None:
+    """hvcomm has shut down: its communicators are no longer its own to revoke."""
+    global _revoked
+    _tracked.clear()
+    _revoked = False
+
+
+def broken() -> bool:
+    """A process failure has revoked hvcomm's communicators (until hvcomm starts again)."""
+    return _revoked
+
+
+def survived() -> int:
+    """How many process failures this process has gone on after."""
+    return _failures
+
+
+def revoke() -> None:
+    """Interrupt every hvcomm communication on every surviving rank (idempotent)."""
+    global _revoked, _failures
+    if _revoked:
+        return
+    _revoked = True
+    _failures += 1
+    for comm in _tracked:
+        try:
+            comm.Revoke()
+        except MPI.Exception:  # already revoked, or freed by the other side: nothing to stop
+            pass
+
+
+def failure_error(error: MPI.Exception, during: str) -> HorovodInternalError:
+    """Revoke, and the error every hvcomm caller on this rank gets for ``error``."""
+    revoke()
+    return HorovodInternalError(
+        f"a process of the job failed while this rank ran {during} ({error.Get_error_string()}); "
+        "inside hvcomm.torch.elastic.run the survivors restore the last commit and go on, "
+        "elsewhere the job cannot continue")
+
+
+def failed_in(world: MPI.Comm) -> bool:
+    """Collective over the survivors (``MPI_Comm_agree``, valid on a revoked communicator):
+    True on every one of them when a process of ``world`` has failed. A failure can reach a
+    rank as another error first (a tree collective whose dead rank's partner went on to the
+    next bucket reports mismatched buckets); this tells the two apart, the same way on every
+    rank."""
+    try:
+        world.Agree(1)
+    except MPI.Exception as error:
+        if is_process_failure(error):
+            return True
+        raise
+    return False
+
+
+def shrink(world: MPI.Comm) -> MPI.Comm:
+    """The survivors of ``world`` (collective over them; tolerant of further failures)."""
+    try:
+        world.Revoke()
+    except MPI.Exception:
+        pass
+    survivors = world.Shrink()
+    survivors.Set_errhandler(MPI.ERRORS_RETURN)
+    return survivors
+
+
+# -- how a process ends once failures are possible ------------------------------------------------
+def install_ending(world_of) -> None:
+    """From now on (fault tolerance on): an exception that escapes ends this rank as a failed
+    process (the others go on), and, after a survived failure, the process ends with a
+    finalize that cannot hang. ``world_of()`` gives the communicator of the survivors."""
+    global _ending_installed
+    if _ending_installed:
+        return
+    _ending_installed = True
+    sys.excepthook = _die_as_failed
+    real_exit = sys.exit
+
+    def exit(status=None):  # noqa: A001 - Horovod scripts call sys.exit; keep their status
+        _record_status(status)
+        real_exit(status)
+    sys.exit = exit
+    atexit.register(lambda: end_process(world_of()))
+
+
+def _record_status(status) -> None:
+    global _exit_status
+    _exit_status = status
+
+
+def _die_as_failed(exc_type, exc, tb) -> None:
+    traceback.print_exception(exc_type, exc, tb)
+    if getattr(exc, "everywhere", False):  # every rank raises it together: a clean error exit
+        _record_status(1)
+        sys.stderr.write("hvcomm: every rank stops with this error\n")
+        sys.stderr.flush()
+        return
+    sys.stderr.write(f"hvcomm: uncaught exception on rank {MPI.COMM_WORLD.Get_rank()} "
+                     "(fault tolerance on): this rank ends as a failed process and the others "
+                     "go on without it\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _status_code(status) -> int:
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status & 0xFF
+    return 1  # sys.exit("message"): Python prints it and exits 1
+
+
+def end_process(world: Optional[MPI.Comm], deadline_s: Optional[float] = None) -> None:
+    """After a survived failure: wait for the other survivors, then MPI_Finalize; if that has
+    not returned within ``deadline_s`` (env HVCOMM_FINALIZE_DEADLINE_S, default 5; it takes
+    milliseconds when it can finish at all), end the process with its exit status. Without a
+    failure, nothing: mpi4py finalizes as always."""
+    if _failures == 0 or MPI.Is_finalized():
+        return
+    if deadline_s is None:
+        deadline_s = float(os.environ.get("HVCOMM_FINALIZE_DEADLINE_S", 5))
+    if world is not None:
+        try:
+            world.Barrier()  # every survivor is done: nothing it sent is still on its way
+        except MPI.Exception:
+            pass  # a further failure at the very end: nobody is left to wait for
+    status = _status_code(_exit_status)
+
+    def give_up():
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+                pass
+        os._exit(status)
+    timer = threading.Timer(deadline_s, give_up)
+    timer.daemon = True
+    timer.start()
+    MPI.Finalize()
+    timer.cancel()
