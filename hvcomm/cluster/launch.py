@@ -39,9 +39,15 @@ def mpi_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
-def mpirun_cmd(n: int, argv: Sequence[str], mpi_args: Sequence[str] = ()) -> List[str]:
+def mpirun_cmd(n: int, argv: Sequence[str], mpi_args: Sequence[str] = (),
+               fault_tolerant: bool = False) -> List[str]:
     """``mpirun -n N --oversubscribe ... python -m mpi4py ARGV`` (mpi4py aborts all ranks on
-    an uncaught exception instead of leaving the others hanging)."""
+    an uncaught exception instead of leaving the others hanging). ``fault_tolerant``:
+    ``mpirun --with-ft ulfm ... python ARGV`` instead, for hvcomm.torch.elastic jobs (a rank
+    whose exception escapes ends alone and the others go on; see hvcomm.torch.fault)."""
+    if fault_tolerant:
+        return [find_mpirun(), "--with-ft", "ulfm", "-n", str(n), "--oversubscribe",
+                "--bind-to", "none", *mpi_args, sys.executable, *argv]
     return [find_mpirun(), "-n", str(n), "--oversubscribe", "--bind-to", "none", *mpi_args,
             sys.executable, "-m", "mpi4py", *argv]
 

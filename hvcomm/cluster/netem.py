@@ -232,7 +232,8 @@ class EmulatedCluster:
             signal.signal(s, h)
 
     # -- running MPI jobs across the hosts --------------------------------------------------
-    def mpirun_cmd(self, argv: Sequence[str], ranks_per_host: int = 1) -> List[str]:
+    def mpirun_cmd(self, argv: Sequence[str], ranks_per_host: int = 1,
+                   fault_tolerant: bool = False) -> List[str]:
         if self._agent_dir is None:
             raise HvcommError("the emulated cluster is not set up; use it in a with-block")
         agent = str(self._agent_dir / "netns-agent")
@@ -253,7 +254,7 @@ class EmulatedCluster:
         env = launch.mpi_env()
         mca += [a for k in sorted(env) if k.startswith("HVCOMM_") or k in _FORWARD
                 for a in ("-x", k)]
-        cmd = launch.mpirun_cmd(self.hosts * ranks_per_host, argv, mca)
+        cmd = launch.mpirun_cmd(self.hosts * ranks_per_host, argv, mca, fault_tolerant)
         return ["ip", "netns", "exec", self.namespace(0), "unshare", "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', self.addresses[0], *cmd]
 

@@ -14,18 +14,19 @@ What hvcomm does when a process of the job dies, and the one place that knows th
 - A process that survived a failure must not call a plain ``MPI_Finalize``: when a host has
   lost all its ranks, Open MPI 5's finalize waits in a PMIx fence for that host's daemon, which
   has gone (measured: the survivors sit in ``ompi_mpi_finalize`` for ever; with one live rank
-  left on every host it returns). :func:`end_process` finalizes with a deadline instead, and a
+  left on every host it returns). :func:`end_process` skips MPI_Finalize then, and a
   rank whose exception escapes kills itself with SIGKILL: a process that merely exits is not
   reported to the others by Open MPI 5 (they would wait for it for ever), a killed one is.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
 import sys
-import threading
 import traceback
 from typing import List, Optional
 
@@ -43,6 +44,7 @@ _failures = 0          # failures seen in this process (a failure revokes once p
 _revoked = False       # the tracked communicators are revoked (until the next world)
 _exit_status: object = 0
 _ending_installed = False
+_nodes_at_start: set = set()  # the nodes the job started on (fault tolerance on)
 
 
 def enabled() -> bool:
@@ -116,6 +118,22 @@ def failed_in(world: MPI.Comm) -> bool:
     return False
 
 
+DEADLINE_S = float(os.environ.get("HVCOMM_ELASTIC_DEADLINE_S", 120))
+"""How long a recovery, or the end of a process after a failure, may take before the rank
+gives up: it prints every thread's stack and exits 1 (never a hang)."""
+
+
+@contextlib.contextmanager
+def deadline():
+    """Run the block under :data:`DEADLINE_S` (faulthandler's timer: it fires even while this
+    thread is inside MPI or Python is finalizing)."""
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def shrink(world: MPI.Comm) -> MPI.Comm:
     """The survivors of ``world`` (collective over them; tolerant of further failures)."""
     try:
@@ -132,10 +150,11 @@ def install_ending(world_of) -> None:
     """From now on (fault tolerance on): an exception that escapes ends this rank as a failed
     process (the others go on), and, after a survived failure, the process ends with a
     finalize that cannot hang. ``world_of()`` gives the communicator of the survivors."""
-    global _ending_installed
+    global _ending_installed, _nodes_at_start
     if _ending_installed:
         return
     _ending_installed = True
+    _nodes_at_start = set(world_of().allgather(MPI.Get_processor_name()))
     sys.excepthook = _die_as_failed
     real_exit = sys.exit
 
@@ -174,32 +193,24 @@ def _status_code(status) -> int:
     return 1  # sys.exit("message"): Python prints it and exits 1
 
 
-def end_process(world: Optional[MPI.Comm], deadline_s: Optional[float] = None) -> None:
-    """After a survived failure: wait for the other survivors, then MPI_Finalize; if that has
-    not returned within ``deadline_s`` (env HVCOMM_FINALIZE_DEADLINE_S, default 5; it takes
-    milliseconds when it can finish at all), end the process with its exit status. Without a
-    failure, nothing: mpi4py finalizes as always."""
-    if _failures == 0 or MPI.Is_finalized():
+def end_process(world: Optional[MPI.Comm]) -> None:
+    """After a survived failure: wait for the other survivors, then let MPI finalize if every
+    node the job started on still has a live rank; otherwise end the process here, with its
+    exit status, without MPI_Finalize (whose fence would wait for the lost node's daemon for
+    ever). Without a failure, nothing: mpi4py finalizes as always."""
+    if _failures == 0 or MPI.Is_finalized() or world is None:
         return
-    if deadline_s is None:
-        deadline_s = float(os.environ.get("HVCOMM_FINALIZE_DEADLINE_S", 5))
-    if world is not None:
+    try:  # every survivor is done (nothing it sent is still on its way), and where they are
+        nodes = set(world.allgather(MPI.Get_processor_name()))
+    except MPI.Exception:  # a further failure at the very end: nobody is left to wait for
+        nodes = set()
+    if nodes == _nodes_at_start:  # MPI_Finalize (mpi4py's, next) can finish: under a deadline
+        faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
         try:
-            world.Barrier()  # every survivor is done: nothing it sent is still on its way
-        except MPI.Exception:
-            pass  # a further failure at the very end: nobody is left to wait for
-    status = _status_code(_exit_status)
-
-    def give_up():
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
-                pass
-        os._exit(status)
-    timer = threading.Timer(deadline_s, give_up)
-    timer.daemon = True
-    timer.start()
-    MPI.Finalize()
-    timer.cancel()
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+            pass
+    os._exit(_status_code(_exit_status))

@@ -106,7 +106,7 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     if abort_on_error is None:
         abort_on_error = os.environ.get("HVCOMM_ABORT_ON_ERROR", "1") != "0"
     if fault.enabled():  # a failed process is revoked around, not aborted on
-        fault.install_ending(lambda: _world)
+        fault.install_ending(world)
     elif abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
         _previous_excepthook, sys.excepthook = sys.excepthook, _abort_on_uncaught
     if os.environ.get("HVCOMM_TIMELINE"):

@@ -129,7 +129,8 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
         while True:
             try:
                 if recovering:
-                    _recover(least, detected)
+                    with fault.deadline():
+                        _recover(least, detected)
                     state.restore()
                     state.on_reset()
                     recovering = False
@@ -146,7 +147,9 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                 if not fault.enabled() or not (_is_failure(e) or getattr(e, "everywhere", False)):
                     raise
                 detected = time.time()
-                if not (fault.failed_in(_runtime.world()) or _is_failure(e)):
+                with fault.deadline():
+                    failed = fault.failed_in(_runtime.world())
+                if not (failed or _is_failure(e)):
                     raise
                 recovering, sync = True, True
     return wrapper
