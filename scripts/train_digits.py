@@ -2,13 +2,24 @@
 
 Run under MPI (scripts/main_job.py does this for every method):
     mpirun -n 4 python -m mpi4py scripts/train_digits.py --method hvcomm-dense --out r.json
+
+With ``--checkpoint-dir DIR`` (the batch scripts of slurm/ pass HVCOMM_CHECKPOINT_DIR, which is
+its default) the run can be stopped and resumed exactly: on SIGUSR1 or SIGTERM to any rank,
+every rank saves a checkpoint at the next step boundary (hvcomm.torch.preemption,
+hvcomm.torch.checkpoint), rank 0 then writes DIR/preempted.json, and the run exits 0; started
+again with the same DIR and world size, it resumes from that checkpoint and ends with bitwise
+the weights of an uninterrupted run.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import os
+import signal
+import sys
 import time
+from pathlib import Path
 
 from mpi4py import MPI  # noqa: F401 - before Horovod, which then shares its communicator
 import numpy as np
@@ -16,6 +27,7 @@ import torch
 from sklearn.datasets import load_digits
 
 import hvcomm.torch as hvc
+from hvcomm.torch import checkpoint, preemption
 import report
 
 HIDDEN = 512
@@ -105,8 +117,25 @@ def main() -> None:
     ap.add_argument("--delay-warmup", type=int, default=100,
                     help="synchronous steps before od/ssd/cd-sgd start delaying")
     ap.add_argument("--out", help="write the results of rank 0 as JSON here")
+    ap.add_argument("--checkpoint-dir", default=os.environ.get("HVCOMM_CHECKPOINT_DIR") or None,
+                    help="on SIGUSR1/SIGTERM checkpoint here and exit 0; resume from here "
+                         "(default: $HVCOMM_CHECKPOINT_DIR, which the batch scripts set; "
+                         "unset: no checkpoints, the signals end the run)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="with --checkpoint-dir, also checkpoint every N steps (keeping the two "
+                         "newest): what a run killed before it could checkpoint resumes from")
+    ap.add_argument("--step-sleep", type=float, default=0.0,
+                    help="sleep this long after every step (changes no value: to give a "
+                         "signal time to arrive mid-training in tests)")
     args = ap.parse_args()
     DELAY_WARMUP["steps"] = args.delay_warmup
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.checkpoint_every and ckpt_dir is None:
+        ap.error("--checkpoint-every needs --checkpoint-dir (or HVCOMM_CHECKPOINT_DIR)")
+    if ckpt_dir is not None:
+        # first thing: a signal before this ends the process (the batch scripts forward
+        # SIGUSR1 only once rank 0 has written DIR/listening, below)
+        preemption.install()
 
     hvc.init()
     rank, size = hvc.rank(), hvc.size()
@@ -114,6 +143,11 @@ def main() -> None:
     if rank == 0:
         print(f"[{args.method}] world size {size} on {len(set(hosts))} hosts: "
               f"{', '.join(sorted(set(hosts)))}", flush=True)
+    if ckpt_dir is not None and rank == 0:
+        # every rank has installed its handlers (before the gather): a signal is safe now; the
+        # batch scripts forward SIGUSR1 only once this file is there
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / "listening").write_text(f"{size} ranks\n")
     (xtr, ytr), (xte, yte) = load_data(args.seed)
     model = make_model(args.seed)
     build, bytes_of = METHODS[args.method]
@@ -122,12 +156,35 @@ def main() -> None:
     per_rank = len(xtr) // size
     steps = per_rank // args.batch
     history, train_time, samples, sent = [], 0.0, 0, []
-    for epoch in range(args.epochs):
+    done, total_loss = 0, 0.0  # steps done in all; the loss summed over this epoch's steps
+    if ckpt_dir is not None:
+        resumed = resume(ckpt_dir, args, size, model, opt)
+        if resumed is not None:
+            done, total_loss = resumed["done"], resumed["total_loss"]
+            history, train_time, samples, sent = (resumed["history"], resumed["train_time"],
+                                                  resumed["samples"], resumed["sent"])
+            if rank == 0:
+                print(f"[{args.method}] resumed from step {done} (epoch {done // steps + 1}, "
+                      f"batch {done % steps}) of {ckpt_dir}", flush=True)
+    start = done
+    for epoch in range(done // steps, args.epochs):
         order = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(1000 + epoch))
         mine = order[rank::size][:per_rank]
         model.train()
-        t0, total_loss = time.perf_counter(), 0.0
-        for s in range(steps):
+        t0 = time.perf_counter()
+        for s in range(done % steps if epoch == done // steps else 0, steps):
+            g = epoch * steps + s  # the steps done: a step boundary
+            stopping = ckpt_dir is not None and preemption.requested()  # collective
+            if stopping or (args.checkpoint_every and g > start and
+                            g % args.checkpoint_every == 0):
+                progress = {"done": g, "total_loss": total_loss, "history": history,
+                            "samples": samples, "sent": sent, "train_time": train_time +
+                            MPI.COMM_WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)}
+                if stopping:
+                    stop(ckpt_dir, args, size, model, opt, progress)
+                    return
+                checkpoint.save(ckpt_dir, g, state(args, size, model, opt, progress))
+                checkpoint.prune(ckpt_dir)
             idx = mine[s * args.batch:(s + 1) * args.batch]
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
@@ -135,6 +192,8 @@ def main() -> None:
             opt.step()
             total_loss += loss.item()
             sent.append(bytes_of(opt, model))
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
         train_time += MPI.COMM_WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         samples += steps * args.batch * size
         evaluated = model
@@ -146,6 +205,7 @@ def main() -> None:
             acc = (evaluated(xte).argmax(1) == yte).float().mean().item()
         loss_avg = MPI.COMM_WORLD.allreduce(total_loss / steps) / size
         history.append({"epoch": epoch + 1, "train_loss": loss_avg, "test_acc": acc})
+        done, total_loss = (epoch + 1) * steps, 0.0
         if rank == 0:
             print(f"[{args.method}] epoch {epoch + 1:3d}/{args.epochs}  loss {loss_avg:.4f}  "
                   f"test acc {acc:.4f}  ({train_time:.1f} s)", flush=True)
@@ -155,6 +215,7 @@ def main() -> None:
         print(f"[{args.method}] final test acc {history[-1]['test_acc']:.4f}, "
               f"throughput {samples / train_time:.0f} samples/s, train time {train_time:.1f} s",
               flush=True)
+        print(f"[{args.method}] final weights sha256 {digest}", flush=True)
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"method": args.method, "ranks": size, "epochs": args.epochs,
@@ -165,6 +226,54 @@ def main() -> None:
                        "params": sum(p.numel() for p in model.parameters()),
                        "final_test_acc": history[-1]["test_acc"],
                        "final_weights_sha256": digest}, f)
+
+
+def state(args, size: int, model, opt, progress: dict) -> dict:
+    """This rank's checkpoint: what the run is (checked on resume), model, optimizer (with
+    hvcomm's per-rank state), the RNG, and ``progress`` (steps done, the epoch's loss so far,
+    the history and counters the results are made of)."""
+    return {"size": size, "method": args.method, "seed": args.seed, "batch": args.batch,
+            "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "torch_rng": torch.get_rng_state(), **progress}
+
+
+def stop(ckpt_dir: Path, args, size: int, model, opt, progress: dict) -> None:
+    """Every rank: save this rank's checkpoint of step ``progress["done"]``; then rank 0 writes
+    DIR/preempted.json, which tells the batch script that the whole checkpoint is there."""
+    rank, done = hvc.rank(), progress["done"]
+    checkpoint.save(ckpt_dir, done, state(args, size, model, opt, progress))
+    signals = MPI.COMM_WORLD.gather(preemption.received())
+    hvc.mpi_comm().barrier()  # every rank's file is in place
+    if rank == 0:
+        got = sorted({signal.Signals(s).name for s in signals if s is not None})
+        marker = ckpt_dir / "preempted.json"
+        tmp = ckpt_dir / ".preempted.json.tmp"
+        tmp.write_text(json.dumps({"step": done, "size": size, "signals": got,
+                                   "ranks_signalled": sum(s is not None for s in signals)}))
+        os.replace(tmp, marker)
+        print(f"[{args.method}] {'/'.join(got)} received: checkpoint of step {done} written by "
+              f"all {size} ranks to {ckpt_dir}; stopping", flush=True)
+
+
+def resume(ckpt_dir: Path, args, size: int, model, opt):
+    """COLLECTIVE: load the newest checkpoint every rank has in ``ckpt_dir``; None if there
+    is none. A checkpoint of another world size or run (method, seed, batch) is an error."""
+    step = checkpoint.newest_common(ckpt_dir)
+    if step is None:
+        return None
+    state = checkpoint.load(ckpt_dir, step)
+    theirs = {k: state[k] for k in ("size", "method", "seed", "batch")}
+    ours = {"size": size, "method": args.method, "seed": args.seed, "batch": args.batch}
+    if MPI.COMM_WORLD.allreduce(int(theirs != ours), op=MPI.MAX):
+        if hvc.rank() == 0:
+            print(f"train_digits: {ckpt_dir} holds a checkpoint of step {step} of another run "
+                  f"({theirs}, this one is {ours}): not resuming from it; remove it or choose "
+                  "another --checkpoint-dir", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(2)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return state
 
 
 if __name__ == "__main__":

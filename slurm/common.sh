@@ -1,9 +1,115 @@
 # Sourced by the batch scripts of this folder: the environment check and the job's header.
 # Needs: LAUNCH_CHECK (arguments of `python -m hvcomm.cluster.launch check`), NETWORK (words).
 # Sets: PY (the environment's python), TRAIN (the training script and its arguments); exports
-# the thread count and unbuffered output; prints the job's header, and its end on exit.
+# the thread count, unbuffered output and HVCOMM_CHECKPOINT_DIR; prints the job's header, and
+# its end on exit. Defines run_requeueable (below), which the batch scripts launch with.
 
 cd "${SLURM_SUBMIT_DIR:-.}"
+# -- time limits, preemption and requeue ----------------------------------------------------------
+# The batch scripts ask for SIGUSR1 to the batch shell before the time limit
+# (#SBATCH --signal=B:USR1@<s>) and are requeueable (#SBATCH --requeue; --open-mode=append: the
+# requeued run appends to the same log). run_requeueable starts the launcher in the background
+# and waits for it: bash runs a trap only after the foreground command has ended, so a
+# foreground mpirun would hold the signal back until the job's end.
+#   SIGUSR1 (the time limit is near): forwarded to the launcher once the ranks listen (the
+#     training script writes $HVCOMM_CHECKPOINT_DIR/listening when every rank has its handlers;
+#     a script that never does is left to run to the limit). mpirun and srun both pass SIGUSR1
+#     on to every rank (measured). The ranks checkpoint at their next step boundary
+#     (hvcomm.torch.preemption), rank 0 writes $HVCOMM_CHECKPOINT_DIR/preempted.json last, and
+#     the ranks exit 0; then this shell runs `scontrol requeue` on its own job and exits 0. The
+#     requeued run (same job id and checkpoint directory, SLURM_RESTART_COUNT one more) resumes.
+#   SIGTERM (scontrol requeue, preemption, scancel, the time limit itself): measured on Slurm
+#     22.05 (scripts/slurm_local.sh, proctrack/linuxproc): Slurm sends SIGCONT and SIGTERM at the
+#     same moment to every process of the job (this shell, srun or mpirun and Open MPI's
+#     daemons, every rank), and SIGKILL KillWait seconds later (slurm.conf; default 30 s, 5 s on
+#     the local Slurm). The ranks have the signal themselves and checkpoint at their next step
+#     if they are left that long. Under srun they are (srun waits KillWait + 2 s for its tasks;
+#     a checkpoint was written with 2 s steps). Under mpirun they are not: Open MPI's daemons
+#     (started by srun) end on the SIGTERM and mpirun then ends the ranks at once. With 50 ms
+#     steps the ranks still checkpointed first; with 2 s steps they did not. Then the requeued
+#     run resumes from the newest checkpoint every rank has (train_digits.py
+#     --checkpoint-every N), or from the start. This shell never requeues on SIGTERM: Slurm
+#     requeues a requeued or preempted job itself, and a cancelled job must stay cancelled.
+# Timing, measured: slurmctld checks time limits every 30 s. The --signal warning comes at the
+# first check that finds the job within sig_time + 30 s of its end (with --time=1 and @10: 25 s
+# and 28 s into the run; the manual warns of up to 60 s early). The kill comes at the first
+# check after the limit (85 s into a 1-minute job). A requeued job waits cred_expire seconds
+# (AuthInfo; default 120 s, 10 s on the local Slurm), then a scheduler pass.
+export HVCOMM_CHECKPOINT_DIR=${HVCOMM_CHECKPOINT_DIR:-$PWD/results/slurm/ckpt-${SLURM_JOB_ID:-0}}
+
+# the traps are set now: a signal during the environment check must not end this shell unseen
+HVCOMM_SIGNAL="" HVCOMM_LAUNCHER=""
+hvcomm_on_usr1() {
+  HVCOMM_SIGNAL=${HVCOMM_SIGNAL:-USR1}
+  echo "hvcomm: $(date -u +%T) SIGUSR1: the time limit is near"
+}
+hvcomm_on_term() {
+  HVCOMM_SIGNAL=TERM
+  echo "hvcomm: $(date -u +%T) SIGTERM (requeue, preemption, cancel or time limit)"
+  [ -n "$HVCOMM_LAUNCHER" ] || exit 143
+  echo "hvcomm: the ranks have it too, and checkpoint at their next step if they can"
+}
+trap hvcomm_on_usr1 USR1
+trap hvcomm_on_term TERM
+
+run_requeueable() {  # the launcher's command line
+  local marker="$HVCOMM_CHECKPOINT_DIR/preempted.json" rc=0 step forwarded=""
+  local listening="$HVCOMM_CHECKPOINT_DIR/listening"
+  mkdir -p "$HVCOMM_CHECKPOINT_DIR"
+  # both written again by this run's ranks: listening once every rank has its handlers (a
+  # SIGUSR1 before that would end the ranks, and a script that never writes it is left to
+  # run), preempted.json once every rank has checkpointed
+  rm -f "$marker" "$listening"
+  if [ "$HVCOMM_SIGNAL" = USR1 ]; then
+    echo "hvcomm: the time limit is near before the training started: requeued without it"
+    requeue_self "the last checkpoint in $HVCOMM_CHECKPOINT_DIR, if any"
+  fi
+  "$@" &
+  HVCOMM_LAUNCHER=$!
+  # each trapped signal ends a wait early: wait again until the launcher has ended
+  while kill -0 "$HVCOMM_LAUNCHER" 2>/dev/null; do
+    if [ "$HVCOMM_SIGNAL" = USR1 ] && [ -z "$forwarded" ]; then
+      if [ -f "$listening" ]; then
+        echo "hvcomm: SIGUSR1 forwarded to the ranks, which checkpoint at their next step"
+        kill -USR1 "$HVCOMM_LAUNCHER" 2>/dev/null || true
+        forwarded=1
+      else
+        sleep 1  # the ranks are starting (or the script does not listen: then until the end)
+      fi
+    else
+      wait "$HVCOMM_LAUNCHER" || true
+    fi
+  done
+  wait "$HVCOMM_LAUNCHER" || rc=$?  # its exit status (bash keeps it)
+  if [ ! -f "$marker" ]; then
+    if [ -n "$HVCOMM_SIGNAL" ]; then
+      echo "hvcomm: SIG$HVCOMM_SIGNAL, and no checkpoint written by every rank (exit $rc)"
+    fi
+    return "$rc"
+  fi
+  step=$(grep -o '"step": [0-9]*' "$marker" | grep -o '[0-9]*$' || echo "?")
+  echo "hvcomm: checkpoint of step $step written by every rank ($marker)"
+  if [ "$HVCOMM_SIGNAL" = TERM ]; then
+    echo "hvcomm: not requeueing: Slurm ends this job (a requeue or a preemption requeues it" \
+         "by itself); the next run resumes from step $step"
+    return "$rc"
+  fi
+  requeue_self "step $step"
+}
+
+requeue_self() {  # what the next run resumes from
+  # scontrol requeue sends this shell SIGTERM too: ignored, so that the log gets its last lines
+  trap '' TERM
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    echo "hvcomm: $(date -u +%T) requeued job $SLURM_JOB_ID; the next run resumes from $1"
+    exit 0
+  fi
+  echo "hvcomm: scontrol requeue failed (a job submitted with --no-requeue?): submit again" \
+       "with HVCOMM_CHECKPOINT_DIR=$HVCOMM_CHECKPOINT_DIR to resume from $1" >&2
+  exit 1
+}
+
+# -- the environment, the training script, the header ---------------------------------------------
 PY="${HVCOMM_VENV:-.venv}/bin/python"
 if [ ! -x "$PY" ]; then
   echo "hvcomm: cannot start this job: no environment at ${HVCOMM_VENV:-.venv} (in $PWD)." \
@@ -35,6 +141,8 @@ echo "nodes: ${SLURM_JOB_NODELIST}"
 echo "network: ${NETWORK}"
 echo "method: ${method:-the script default} (${TRAIN[*]})"
 echo "started: $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
+echo "restart: ${SLURM_RESTART_COUNT:-0}, checkpoints: $HVCOMM_CHECKPOINT_DIR"
 # the job's last line, however it ends: the time and the exit status
 trap 'rc=$?; echo "finished: $(date -u "+%Y-%m-%d %H:%M:%S UTC"), exit $rc"' EXIT
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} PYTHONUNBUFFERED=1
+

@@ -1,8 +1,10 @@
 """A rank killed with SIGKILL mid-training ends the whole job, non-zero, within 10 s and with no
 process left behind; resuming from the last checkpoint ends with exactly the weights of a run
-that was never interrupted (dense, gTop-k, OD-SGD, P3; on one node and on the emulated cluster).
+that was never interrupted (dense, gTop-k, OD-SGD, P3; on one node and on the emulated cluster;
+and scripts/train_digits.py from its periodic checkpoints).
 """
 import os
+import re
 import signal
 import subprocess
 import time
@@ -149,3 +151,41 @@ def test_kill_then_resume_one_node(method, n, tmp_path):
 def test_kill_then_resume_emulated_cluster(tmp_path):
     with netem.EmulatedCluster(hosts=2, rate="1gbit") as cluster:
         check_kill_and_resume("gtopk", OnEmulatedHosts(cluster), tmp_path)
+
+
+def test_train_digits_resumes_from_its_periodic_checkpoint(tmp_path):
+    """What a requeue under mpirun can leave behind: the ranks ended before they could
+    checkpoint on the SIGTERM (slurm/common.sh). scripts/train_digits.py --checkpoint-every 10,
+    every process of the job SIGKILLed mid-training; started again, it resumes from the newest
+    checkpoint every rank has and ends with the weights of a run never interrupted."""
+    train = [str(HERE.parent / "scripts" / "train_digits.py"), "--method", "gtopk-0.001",
+             "--epochs", "2"]
+    env = {"HVCOMM_TEST_EXPECT_SIZE": "2", "HVCOMM_CHECKPOINT_DIR": ""}
+    reference = launch.run(2, train, timeout=300, env=env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    args = [*train, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"]
+    job = subprocess.Popen(launch.mpirun_cmd(2, [*args, "--step-sleep", "0.05"]),
+                           env=launch.mpi_env(env), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (ckpt / "step30.rank1.pt").exists():
+            assert job.poll() is None, f"the job ended before the kill:\n{job.stdout.read()}"
+            assert time.monotonic() < deadline, "the job never reached step 30"
+            time.sleep(0.05)
+        for pid in processes_mentioning(str(ckpt)):  # mpirun and both ranks
+            os.kill(pid, signal.SIGKILL)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0 and "final weights" not in out, out[-3000:]
+    assert not (ckpt / "preempted.json").exists()  # no signal: only the periodic checkpoints
+    resumed = launch.run(2, args, timeout=300, env=env)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0 and "world size 2" in out, out[-3000:]
+    step = int(re.search(r"resumed from step (\d+)", out).group(1))
+    assert step >= 30 and step % 10 == 0, out[-3000:]
+    digest = re.compile(r"final weights sha256 ([0-9a-f]{64})")
+    assert digest.findall(out) == digest.findall(reference.stdout) != [], out[-3000:]

@@ -1,15 +1,17 @@
 """The batch scripts under a real Slurm: the local Slurm (scripts/slurm_local.sh) with 2 emulated
-nodes at 1 Gbit/s, slurm/ethernet.sbatch launched by mpirun and by srun, and a job whose
-environment is missing failing at once."""
+nodes at 1 Gbit/s, slurm/ethernet.sbatch launched by mpirun and by srun, a job whose
+environment is missing failing at once, and jobs stopped by their time limit or by
+`scontrol requeue` that checkpoint, requeue and resume to the weights of an uninterrupted run."""
 import os
 import re
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from hvcomm.cluster import netem, slurm_local
+from hvcomm.cluster import launch, netem, slurm_local
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = ["bash", str(ROOT / "scripts" / "slurm_local.sh")]
@@ -41,9 +43,10 @@ def slurm():
 def submit(env, *args, extra_env=None):
     """sbatch --wait a job of slurm/ethernet.sbatch; (exit code, its log)."""
     log = Path(tempfile.mkdtemp(prefix="hvcomm-slurm-test-")) / "job.out"
+    ckpt = {"HVCOMM_CHECKPOINT_DIR": str(log.parent / "ckpt")}  # not results/slurm/ckpt-<id>
     proc = subprocess.run(["sbatch", "--wait", f"--output={log}", *args],
-                          cwd=ROOT, env={**env, **(extra_env or {})}, capture_output=True,
-                          text=True, timeout=600)
+                          cwd=ROOT, env={**env, **ckpt, **(extra_env or {})},
+                          capture_output=True, text=True, timeout=600)
     text = log.read_text() if log.exists() else ""
     return proc.returncode, proc.stdout + proc.stderr + text
 
@@ -83,3 +86,125 @@ def test_infiniband_job_refuses_the_pypi_open_mpi(slurm):
     assert rc != 0, log
     assert "not the site's MPI" in log and "HVCOMM_SYSTEM_MPI=1" in log, log
     assert "world size" not in log, log
+
+
+# -- time limits and requeue ----------------------------------------------------------------------
+TRAIN = ["scripts/train_digits.py", "--method", "gtopk-0.001", "--epochs", "2"]
+ENDED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE", "PREEMPTED"}  # PENDING, RUNNING, REQUEUED... go on
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """The final weights' digest of the same training run straight through: mpirun, 2 ranks on
+    this machine, no checkpoint directory (2 ranks: the averages are the same sums in any
+    order, so the emulated nodes' run must match it bit for bit)."""
+    proc = launch.run(2, [str(ROOT / TRAIN[0]), *TRAIN[1:]], timeout=300,
+                      env={"HVCOMM_CHECKPOINT_DIR": ""})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "world size 2 on 1 hosts" in out, out[-3000:]
+    return digest_of(out)
+
+
+def digest_of(log: str) -> str:
+    found = re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
+    assert len(found) == 1, f"expected one final digest, found {found}"
+    return found[0]
+
+
+def job(env, jobid: str) -> dict:
+    """scontrol show job's fields (JobState, Restarts, ...)."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", jobid], env=env, capture_output=True,
+                         text=True, timeout=30).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def wait_until(what, check, timeout: float, describe=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f} s\n{describe()}"
+        time.sleep(0.5)
+
+
+def start_job(env, log: Path, ckpt: Path, launcher: str, *sbatch_args, train_args=()):
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", "--nodes=2",
+                           "--ntasks-per-node=1", *sbatch_args, "slurm/ethernet.sbatch",
+                           *TRAIN, *train_args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**env, "LAUNCHER": launcher,
+                                           "HVCOMM_CHECKPOINT_DIR": str(ckpt)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def finish_job(env, jobid: str, log: Path, timeout: float):
+    """Wait for the job's final state; (its scontrol fields, its log)."""
+    read = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+    fields = wait_until(f"job {jobid}'s end", lambda: (lambda f: f if f.get("JobState") in ENDED
+                                                        else None)(job(env, jobid)),
+                        timeout, lambda: f"{job(env, jobid)}\n{read()[-3000:]}")
+    return fields, read()
+
+
+def check_resumed(fields, log, reference, restarts_at_least=1):
+    """Requeued, resumed from its checkpoint, COMPLETED, with the uninterrupted run's weights."""
+    assert fields["JobState"] == "COMPLETED", (fields, log)
+    restarts = int(fields["Restarts"])
+    assert restarts >= restarts_at_least, (fields, log)
+    for r in range(restarts + 1):  # the header of every run, in the one log (appended)
+        assert f"restart: {r}, checkpoints:" in log, log
+    assert log.count("world size 2 on 2 hosts: node1, node2") == restarts + 1, log
+    resumed = [int(n) for n in re.findall(r"resumed from step (\d+)", log)]
+    assert len(resumed) == restarts and resumed == sorted(resumed) and resumed[-1] > 0, log
+    assert digest_of(log) == reference, log
+    assert log.rstrip().endswith("exit 0"), log[-2000:]
+    return resumed
+
+
+def test_time_limit_checkpoints_requeues_and_resumes(slurm, uninterrupted, tmp_path):
+    """--time=1 (Slurm's least) and SIGUSR1 to the batch shell near it: the run takes longer
+    than the limit, so it is signalled mid-training (Slurm checks time limits every 30 s: the
+    signal comes 29-59 s into the run, 30 s before the kill), checkpoints, requeues itself
+    and resumes, perhaps more than once, to the weights of the uninterrupted run."""
+    log, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
+    jobid = start_job(slurm, log, ckpt, "mpirun", "--time=1", "--signal=B:USR1@1",
+                      train_args=["--step-sleep", "0.33"])  # about 60 s of training
+    fields, log_text = finish_job(slurm, jobid, log, timeout=420)
+    resumed = check_resumed(fields, log_text, uninterrupted)
+    # every run but the last: the warning, the forward, every rank's checkpoint, the requeue
+    runs = int(fields["Restarts"])
+    assert log_text.count("SIGUSR1: the time limit is near") >= runs, log_text
+    assert log_text.count("SIGUSR1 forwarded to the ranks") >= runs, log_text
+    written = [int(n) for n in re.findall(r"checkpoint of step (\d+) written by every rank",
+                                          log_text)]
+    assert written == resumed, log_text  # each run resumes from the step the last one saved
+    assert log_text.count(f"requeued job {jobid}") == runs, log_text
+    assert log_text.count(", exit 0\n") == runs + 1, log_text  # every run ended, and cleanly
+    assert "TIME LIMIT" not in log_text and fields["JobState"] != "TIMEOUT", log_text
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_scontrol_requeue_resumes(slurm, uninterrupted, tmp_path, launcher):
+    """`scontrol requeue` of the running job: Slurm sends SIGTERM to every process of the job
+    and requeues it itself. Under srun the ranks have KillWait to checkpoint at their next
+    step; under mpirun Open MPI ends them at once (its daemons have the SIGTERM too), so the
+    run also checkpoints every 10 steps: either way the requeued run resumes from the newest
+    checkpoint every rank has, to the uninterrupted run's weights."""
+    log, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
+    jobid = start_job(slurm, log, ckpt, launcher,
+                      train_args=["--step-sleep", "0.05", "--checkpoint-every", "10"])
+    read = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+    # mid-training, deterministically: once the first of the two epochs has been reported
+    wait_until("the first epoch", lambda: "epoch   1/2" in read(), 180, read)
+    subprocess.run(["scontrol", "requeue", jobid], env=slurm, check=True, timeout=30)
+    fields, log_text = finish_job(slurm, jobid, log, timeout=300)
+    resumed = check_resumed(fields, log_text, uninterrupted)
+    assert fields["Restarts"] == "1" and len(resumed) == 1, (fields, log_text)
+    assert "DUE TO JOB REQUEUE" in log_text and "SIGTERM (requeue" in log_text, log_text
+    assert resumed[0] >= 80, log_text  # after epoch 1 (89 steps): at least the checkpoint of 80
+    assert "requeued job" not in log_text, log_text  # Slurm requeued it, not the script
+    if launcher == "srun":  # KillWait is time enough: the checkpoint of the step it was at
+        assert re.search(rf"checkpoint of step {resumed[0]} written by every rank", log_text), \
+            log_text

@@ -73,3 +73,9 @@ def test_compression_in_the_optimizer(n):
 ])
 def test_at_one_to_three_ranks(test_file, timeout, n):
     mpi_pytest(n, test_file, timeout=timeout)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_preemption_flag(n):
+    """hvcomm.torch.preemption: one rank signalled, every rank told (tests/mpi/test_preemption.py)."""
+    mpi_pytest(n, "test_preemption.py", timeout=120)

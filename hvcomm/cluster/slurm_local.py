@@ -69,6 +69,10 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
+# a requeued job waits cred_expire seconds before it may start again (default 120 s)
+AuthInfo=cred_expire=10
+# and then waits for a scheduler pass: look every few seconds (defaults 60 s and 30 s)
+SchedulerParameters=sched_interval=5,bf_interval=5
 NodeName=node[1-{nodes}] NodeAddr={net}.[1-{nodes}] CPUs={cpus} RealMemory=2000 State=UNKNOWN
 PartitionName=emulated Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """

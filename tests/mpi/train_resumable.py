@@ -3,28 +3,27 @@
     train_resumable.py METHOD DIR STEPS [--resume] [--slow-after K]
 
 Every rank writes its own checkpoint after every step (model, optimizer with hvcomm's state:
-residuals, delayed weights, P3's deferred updates applied) to DIR/step<S>.rank<R>.pt, written
-to a temporary name and renamed, so a rank killed mid-write leaves the previous one intact.
-``--resume`` restarts from the newest step that every rank has finished saving (each rank's
-newest, then the minimum over the ranks). At the end each rank saves its weights to
+residuals, delayed weights, P3's deferred updates applied) with hvcomm.torch.checkpoint.save:
+DIR/step<S>.rank<R>.pt, written to a temporary name and renamed, so a rank killed mid-write
+leaves the previous one intact. ``--resume`` restarts from checkpoint.newest_common: the newest
+step that every rank has finished saving (each rank's newest, then the minimum over the ranks). At the end each rank saves its weights to
 DIR/final.rank<R>.pt. ``--slow-after K`` sleeps 0.3 s after every step past K, to leave a
 killer time to strike mid-training; the sleep changes no value.
 """
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from harness import Checks  # noqa: E402
 from training import Net, data, loss_fn, make_opt, shard  # noqa: E402
 
 import hvcomm.torch as hvd  # noqa: E402
+from hvcomm.torch import checkpoint  # noqa: E402
 
 C = hvd.Compression
 METHODS = {  # every synchronisation hvcomm offers, small enough for a few steps on 3 ranks
@@ -62,11 +61,6 @@ def train_step(model, opt, step: int) -> None:
     opt.step()
 
 
-def saved_steps(directory: Path, rank: int):
-    pattern = re.compile(rf"step(\d+)\.rank{rank}\.pt$")
-    return sorted(int(m.group(1)) for f in directory.iterdir() if (m := pattern.match(f.name)))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("method", choices=sorted(METHODS))
@@ -81,21 +75,18 @@ def main():
     model, opt = build(a.method)
     start = 0
     if a.resume:
-        mine = saved_steps(a.dir, r)
-        common = MPI.COMM_WORLD.allreduce(mine[-1] if mine else -1, op=MPI.MIN)
-        if common >= 0:
-            ckpt = torch.load(a.dir / f"step{common}.rank{r}.pt", weights_only=False)
+        common = checkpoint.newest_common(a.dir)
+        if common is not None:
+            ckpt = checkpoint.load(a.dir, common)
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
             start = common + 1
         if r == 0:
-            print(f"resuming after step {common}", flush=True)
+            print(f"resuming after step {-1 if common is None else common}", flush=True)
     (a.dir / f"pid.rank{r}").write_text(str(os.getpid()))
     for s in range(start, a.steps):
         train_step(model, opt, s)
-        tmp = a.dir / f".step{s}.rank{r}.tmp"
-        torch.save({"optimizer": opt.state_dict(), "model": model.state_dict()}, tmp)
-        tmp.rename(a.dir / f"step{s}.rank{r}.pt")
+        checkpoint.save(a.dir, s, {"optimizer": opt.state_dict(), "model": model.state_dict()})
         if a.slow_after is not None and s >= a.slow_after:
             time.sleep(0.3)
     opt.finish_pending()

@@ -1,0 +1,76 @@
+"""Per-rank checkpoints that survive a rank killed mid-write, and the step every rank can resume.
+
+hvcomm's optimizer state differs between ranks (error-feedback residuals, delayed weights), so
+an exact resume needs one file per rank: ``DIR/step<S>.rank<R>.pt``. Each is written to a
+temporary name in DIR and renamed (``os.replace``), so a reader sees a whole file or none; a
+rank killed while writing leaves its previous checkpoint intact. ``newest_common`` (collective)
+is the newest step that every rank has finished saving: the step to resume from.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, List, Optional, Union
+
+import torch
+
+PathLike = Union[str, Path]
+
+
+def path(directory: PathLike, step: int, rank: Optional[int] = None) -> Path:
+    """``DIR/step<S>.rank<R>.pt`` (``rank`` defaults to this process's hvcomm rank)."""
+    if rank is None:
+        from .runtime import rank as _rank
+        rank = _rank()
+    return Path(directory) / f"step{step}.rank{rank}.pt"
+
+
+def save(directory: PathLike, step: int, state: Any, rank: Optional[int] = None) -> Path:
+    """Write this rank's ``state`` (anything ``torch.save`` takes) for ``step`` atomically;
+    not collective. Returns the file's path."""
+    final = path(directory, step, rank)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, final)
+    return final
+
+
+def saved_steps(directory: PathLike, rank: Optional[int] = None) -> List[int]:
+    """The steps this rank has a complete checkpoint of in DIR, oldest first ([] if none or
+    no DIR)."""
+    if rank is None:
+        from .runtime import rank as _rank
+        rank = _rank()
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    pattern = re.compile(rf"step(\d+)\.rank{rank}\.pt$")
+    return sorted(int(m.group(1)) for f in directory.iterdir() if (m := pattern.match(f.name)))
+
+
+def newest_common(directory: PathLike, comm=None) -> Optional[int]:
+    """COLLECTIVE over ``comm`` (default hvcomm's communicator): the newest step that every
+    rank has saved, i.e. the minimum over the ranks of each rank's newest; None when some rank
+    has none. (Each rank saves every step it reaches, so the others have that step too.)"""
+    from mpi4py import MPI
+    if comm is None:
+        from .runtime import mpi_comm
+        comm = mpi_comm()
+    mine = saved_steps(directory, comm.Get_rank())
+    common = comm.allreduce(mine[-1] if mine else -1, op=MPI.MIN)
+    return None if common < 0 else common
+
+
+def prune(directory: PathLike, keep: int = 2, rank: Optional[int] = None) -> None:
+    """Remove this rank's checkpoints but the ``keep`` newest (at least 2: the ranks may be one
+    step apart, and ``newest_common`` needs a step that all of them still have)."""
+    if keep < 2:
+        raise ValueError(f"keep must be at least 2, got {keep}")
+    for step in saved_steps(directory, rank)[:-keep]:
+        path(directory, step, rank).unlink(missing_ok=True)
+
+
+def load(directory: PathLike, step: int, rank: Optional[int] = None) -> Any:
+    """This rank's checkpoint of ``step`` (on the CPU)."""
+    return torch.load(path(directory, step, rank), map_location="cpu", weights_only=False)
