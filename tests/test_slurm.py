@@ -2,6 +2,7 @@
 nodes at 1 Gbit/s, slurm/ethernet.sbatch launched by mpirun and by srun, a job whose
 environment is missing failing at once, and jobs stopped by their time limit or by
 `scontrol requeue` that checkpoint, requeue and resume to the weights of an uninterrupted run."""
+import json
 import os
 import re
 import subprocess
@@ -208,3 +209,20 @@ def test_scontrol_requeue_resumes(slurm, uninterrupted, tmp_path, launcher):
     if launcher == "srun":  # KillWait is time enough: the checkpoint of the step it was at
         assert re.search(rf"checkpoint of step {resumed[0]} written by every rank", log_text), \
             log_text
+
+
+def test_elastic_job_loses_a_node_and_goes_on(slurm, tmp_path):
+    """ELASTIC=1: mpirun --with-ft ulfm; both ranks of the second node are SIGKILLed at step
+    7 and the two of the first node finish the training, the job COMPLETED with exit 0."""
+    out = tmp_path / "elastic"
+    out.mkdir()
+    rc, log = submit(slurm, "--nodes=2", "--ntasks-per-node=2", "slurm/ethernet.sbatch",
+                     "tests/mpi/elastic_train.py", "none", str(out), "--fail", "3:7:host",
+                     extra_env={"ELASTIC": "1"})
+    assert rc == 0, log
+    assert "going on with 2 ranks" in log and "OK size=2" in log, log
+    sizes = {f.name: sorted({json.loads(line)["size"] for line in f.read_text().splitlines()
+                             if '"size"' in line}) for f in out.glob("steps.rank*.jsonl")}
+    assert sizes == {"steps.rank0.jsonl": [2, 4], "steps.rank1.jsonl": [2, 4],
+                     "steps.rank2.jsonl": [4], "steps.rank3.jsonl": [4]}, sizes
+    assert "exit 0" in log, log
