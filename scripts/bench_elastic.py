@@ -12,6 +12,9 @@ results/elastic.md.
   ``commit()`` against the median training step, at 2 ranks.
 - Steady state: the same steps for a fixed count, with and without ``--with-ft ulfm``,
   alternating, three runs each; steps per second.
+- Growing back: can the survivors start a replacement (``MPI_Comm_spawn`` of the same
+  program, merged into their communicator)? 3 ranks, the last SIGKILLed or not, on one node
+  and on 3 emulated hosts; each probe gets 40 s.
 
     python scripts/bench_elastic.py            # everything (about 3 minutes)
 """
@@ -84,7 +87,66 @@ def measure_recovery(net: str):
     return rows
 
 
-# -- the worker for commit() and steady state (runs under mpirun) -----------------------------
+# -- the workers (run under mpirun) ---------------------------------------------------------
+def spawn_worker(out: Path, kill: bool) -> None:
+    """The survivors (all ranks when ``kill`` is False) spawn one process of this program,
+    merge with it and sum a vector over the merged communicator."""
+    import numpy as np
+    from mpi4py import MPI
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:  # the replacement
+        merged = parent.Merge(high=True)
+        merged.Allreduce(MPI.IN_PLACE, np.ones(4))
+        return
+    world = MPI.COMM_WORLD.Dup()
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    if kill and world.Get_rank() == world.Get_size() - 1:
+        os.kill(os.getpid(), 9)
+    try:
+        world.Barrier()
+    except MPI.Exception:
+        world.Revoke()
+        world = world.Shrink()
+    t0 = time.perf_counter()
+    child = world.Spawn(sys.executable, [__file__, "--worker", "spawn", "--out", str(out)],
+                        maxprocs=1)
+    merged = child.Merge(high=False)
+    total = np.ones(4)
+    merged.Allreduce(MPI.IN_PLACE, total)
+    if merged.Get_rank() == 0:
+        out.write_text(json.dumps({"size": merged.Get_size(), "sum": total[0],
+                                   "spawn_s": time.perf_counter() - t0}))
+
+
+def probe_spawn(kill: bool, net: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [__file__, "--worker", "spawn", "--out", str(out)] + (["--kill"] if kill else [])
+        start = time.monotonic()
+        try:
+            if net == "shm":
+                proc = subprocess.run(launch.mpirun_cmd(3, argv, fault_tolerant=True),
+                                      env=launch.mpi_env(), capture_output=True, text=True,
+                                      timeout=40)
+            else:
+                with netem.EmulatedCluster(hosts=3, rate=net) as cluster:
+                    proc = subprocess.run(cluster.mpirun_cmd(argv, fault_tolerant=True),
+                                          env=cluster.mpirun_env(), capture_output=True,
+                                          text=True, timeout=40)
+            ended = f"exit {proc.returncode}"
+            if "Segmentation fault" in proc.stderr:
+                ended += " (a segmentation fault in MPI_Finalize)" \
+                    if "ompi_mpi_finalize" in proc.stderr else " (a segmentation fault)"
+        except subprocess.TimeoutExpired:
+            ended = "no end in 40 s (killed)"
+        spawned = json.loads(out.read_text()) if out.exists() else None
+    return {"where": "one node" if net == "shm" else f"3 emulated hosts, {net}",
+            "rank lost first": "yes" if kill else "no",
+            "replacement joined": (f"yes, size {spawned['size']}, in {spawned['spawn_s']:.2f} s"
+                                   if spawned else "no"),
+            "job": ended, "wall (s)": round(time.monotonic() - start, 1)}
+
+
 def worker(mode: str, steps: int, out: Path) -> None:
     import torch
     sys.path.insert(0, str(HERE))
@@ -142,13 +204,33 @@ def run_worker(mode: str, n: int, steps: int, ft: bool) -> dict:
         return json.loads(out.read_text())
 
 
+SUITE = HERE.parent.parent / "shared" / "horovod_suite" / "run_elastic.sh"
+
+
+def horovod_elastic_suite() -> str:
+    """Horovod 0.28.1's elastic unit tests at 1, 2 and 3 ranks, on hvcomm and on Horovod
+    (the suite's own script; where it is not beside the project, a line that says so)."""
+    if not SUITE.exists():
+        return f"(Horovod's suite not found at {SUITE})"
+    lines = []
+    for impl in ("hvcomm", "horovod"):
+        proc = subprocess.run(["bash", str(SUITE), "--impl", impl], cwd=HERE.parent,
+                              capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "PY": sys.executable})
+        lines += [f"    {line}" for line in proc.stdout.splitlines() if "np=" in line]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", choices=("commit", "throughput"))
+    ap.add_argument("--worker", choices=("commit", "throughput", "spawn"))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--kill", action="store_true", help="spawn worker: lose the last rank first")
     ap.add_argument("--name", default="elastic", help="results/<name>.md")
     a = ap.parse_args()
+    if a.worker == "spawn":
+        return spawn_worker(a.out, a.kill)
     if a.worker:
         return worker(a.worker, a.steps, a.out)
 
@@ -167,6 +249,9 @@ def main() -> None:
                    "steps/s (3 runs)": ", ".join(f"{v:.1f}" for v in runs[ft]),
                    "median": round(statistics.median(runs[ft]), 1)} for ft in (False, True)]
     ratio = statistics.median(runs[True]) / statistics.median(runs[False])
+    suite = horovod_elastic_suite()
+    spawn = [probe_spawn(kill, where) for where in ("shm", net) for kill in (False, True)
+             if where == "shm" or net != "shm"]
     body = "\n".join([
         "## Recovery: from the kill to the first completed step after it",
         "Shared memory, the last rank SIGKILLed after its backward pass of step 7 (the others",
@@ -182,7 +267,16 @@ def main() -> None:
         "## Steady state: the same training with and without fault tolerance (2 ranks, "
         "300 steps)", "",
         report.table(throughput), "",
-        f"With / without: {ratio:.3f} (medians of runs taken alternately).",
+        f"With / without: {ratio:.3f} (medians of runs taken alternately).", "",
+        "## Horovod 0.28.1's elastic unit tests (test_torch_elastic.py, import swapped)", "",
+        suite, "",
+        "At 2 and 3 ranks test_elastic_sampler fails under Horovod too: it assumes one "
+        "process (ElasticSampler.record_batch counts batch_size times the number of ranks).",
+        "",
+        "## Growing back: a replacement spawned by the survivors (MPI_Comm_spawn)", "",
+        report.table(spawn), "",
+        "hvcomm.torch.elastic only shrinks: a replacement cannot be counted on where the job",
+        "spans hosts, which is where a lost rank is a lost node.",
     ])
     path = report.write(a.name, "Elastic training on MPI's fault tolerance", setting, body)
     print(path.read_text())

@@ -5,11 +5,9 @@ up to the last commit and on the new size from that commit (two plain jobs joine
 committed state); below min_np every survivor stops with a clear error; without fault
 tolerance a failure ends the job as before. Every job must end by itself."""
 import json
-import os
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -47,15 +47,24 @@ _ending_installed = False
 _nodes_at_start: set = set()  # the nodes the job started on (fault tolerance on)
 
 
+_enabled: Optional[bool] = None
+
+
 def enabled() -> bool:
     """True when this job runs with MPI fault tolerance (``mpirun --with-ft ulfm``)."""
-    flag = os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "t")
-    return flag and hasattr(MPI.Comm, "Shrink") and "Open MPI" in MPI.Get_library_version()
+    global _enabled
+    if _enabled is None:
+        flag = os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "t")
+        _enabled = (flag and hasattr(MPI.Comm, "Shrink")
+                    and "Open MPI" in MPI.Get_library_version())
+    return _enabled
 
 
 def is_process_failure(error: BaseException) -> bool:
-    """The MPI error says a process of the communicator failed, or another rank revoked it."""
-    return isinstance(error, MPI.Exception) and error.Get_error_class() in FAILURE_CLASSES
+    """Under fault tolerance, the MPI error says a process of the communicator failed, or
+    another rank revoked it (without fault tolerance no error is one: the job ends)."""
+    return (isinstance(error, MPI.Exception) and error.Get_error_class() in FAILURE_CLASSES
+            and enabled())
 
 
 def track(*comms: MPI.Comm) -> None:
@@ -73,11 +82,6 @@ def untrack_all() -> None:
 def broken() -> bool:
     """A process failure has revoked hvcomm's communicators (until hvcomm starts again)."""
     return _revoked
-
-
-def survived() -> int:
-    """How many process failures this process has gone on after."""
-    return _failures
 
 
 def revoke() -> None:

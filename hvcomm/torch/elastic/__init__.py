@@ -125,7 +125,7 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
             warnings.warn("hvcomm elastic: this job runs without MPI fault tolerance, so a failed "
                           "process ends it; launch with `mpirun --with-ft ulfm` (Open MPI 5) to "
                           "go on without it", stacklevel=2)
-        recovering, sync = False, True
+        recovering, sync, detected = False, True, 0.0
         while True:
             try:
                 if recovering:
