@@ -7,6 +7,7 @@ tolerance a failure ends the job as before. Every job must end by itself."""
 import json
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -183,3 +184,44 @@ def test_elastic_sampler_after_a_shrink_covers_the_epoch_once(monkeypatch, n, be
     assert sorted(set(seen)) == list(range(n))
     padding = len(later[0]) * after - (n - state["processed_num"])
     assert len(seen) == n + padding and 0 <= padding < after
+
+
+def test_restore_brings_back_the_commit_every_time(tmp_path):
+    """One process (no mpirun): commit, train, restore, train, restore: the model and the
+    optimizer's momentum are the committed ones both times (a restore must not hand the
+    commit's own tensors to the optimizer, which training would then change)."""
+    script = tmp_path / "restore.py"
+    script.write_text('''
+import torch
+import hvcomm.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters())
+state = hvd.elastic.TorchState(model, opt, batch=0)
+x = torch.randn(8, 4)
+
+def train():
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+    state.batch += 1
+
+train()
+state.commit()
+weights = {k: v.clone() for k, v in model.state_dict().items()}
+momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+for _ in range(2):
+    train()
+    train()
+    state.restore()
+    assert state.batch == 1
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m)
+               for p, m in zip(model.parameters(), momentum))
+print("OK")
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=launch.mpi_env())
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

@@ -11,12 +11,14 @@ What hvcomm does when a process of the job dies, and the one place that knows th
   that waits for the dead one; the caller gets :class:`HorovodInternalError`.
 - :mod:`hvcomm.torch.elastic` then shrinks the world (:func:`shrink`) and starts hvcomm again
   on the survivors.
-- A process that survived a failure must not call a plain ``MPI_Finalize``: when a host has
-  lost all its ranks, Open MPI 5's finalize waits in a PMIx fence for that host's daemon, which
-  has gone (measured: the survivors sit in ``ompi_mpi_finalize`` for ever; with one live rank
-  left on every host it returns). :func:`end_process` skips MPI_Finalize then, and a
-  rank whose exception escapes kills itself with SIGKILL: a process that merely exits is not
-  reported to the others by Open MPI 5 (they would wait for it for ever), a killed one is.
+- A process that survived a failure must not call ``MPI_Finalize``: Open MPI 5's finalize
+  waits in a PMIx fence that a failure can leave unfinished for ever (measured: always when a
+  host has lost all its ranks, whose daemon has gone; now and then on one node too, 1 of 18
+  runs). :func:`end_process` ends such a process after the other survivors are done, with its
+  exit status, without it (atexit handlers registered before ``hvcomm.torch.init()`` do not
+  run then; logging is shut down and stdout/stderr flushed). A rank whose exception escapes
+  kills itself with SIGKILL: a process that merely exits is not reported to the others by Open
+  MPI 5 (they would wait for it for ever), a killed one is.
 """
 from __future__ import annotations
 
@@ -44,7 +46,6 @@ _failures = 0          # failures seen in this process (a failure revokes once p
 _revoked = False       # the tracked communicators are revoked (until the next world)
 _exit_status: object = 0
 _ending_installed = False
-_nodes_at_start: set = set()  # the nodes the job started on (fault tolerance on)
 
 
 _enabled: Optional[bool] = None
@@ -130,7 +131,7 @@ gives up: it prints every thread's stack and exits 1 (never a hang)."""
 @contextlib.contextmanager
 def deadline():
     """Run the block under :data:`DEADLINE_S` (faulthandler's timer: it fires even while this
-    thread is inside MPI or Python is finalizing)."""
+    thread is inside MPI)."""
     faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
     try:
         yield
@@ -152,13 +153,13 @@ def shrink(world: MPI.Comm) -> MPI.Comm:
 # -- how a process ends once failures are possible ------------------------------------------------
 def install_ending(world_of) -> None:
     """From now on (fault tolerance on): an exception that escapes ends this rank as a failed
-    process (the others go on), and, after a survived failure, the process ends with a
-    finalize that cannot hang. ``world_of()`` gives the communicator of the survivors."""
-    global _ending_installed, _nodes_at_start
+    process (the others go on), and, after a survived failure, the process ends without
+    MPI_Finalize (:func:`end_process`). ``world_of()`` gives the communicator of the
+    survivors."""
+    global _ending_installed
     if _ending_installed:
         return
     _ending_installed = True
-    _nodes_at_start = set(world_of().allgather(MPI.Get_processor_name()))
     sys.excepthook = _die_as_failed
     real_exit = sys.exit
 
@@ -198,19 +199,16 @@ def _status_code(status) -> int:
 
 
 def end_process(world: Optional[MPI.Comm]) -> None:
-    """After a survived failure: wait for the other survivors, then let MPI finalize if every
-    node the job started on still has a live rank; otherwise end the process here, with its
-    exit status, without MPI_Finalize (whose fence would wait for the lost node's daemon for
-    ever). Without a failure, nothing: mpi4py finalizes as always."""
+    """After a survived failure: wait for the other survivors, then end the process here, with
+    its exit status, without MPI_Finalize (see the module's docstring). Without a failure,
+    nothing: mpi4py finalizes as always."""
     if _failures == 0 or MPI.Is_finalized() or world is None:
         return
-    try:  # every survivor is done (nothing it sent is still on its way), and where they are
-        nodes = set(world.allgather(MPI.Get_processor_name()))
+    try:  # every survivor is done: nothing it sent is still on its way
+        with deadline():
+            world.Barrier()
     except MPI.Exception:  # a further failure at the very end: nobody is left to wait for
-        nodes = set()
-    if nodes == _nodes_at_start:  # MPI_Finalize (mpi4py's, next) can finish: under a deadline
-        faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-        return
+        pass
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
