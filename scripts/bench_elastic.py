@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -238,9 +239,10 @@ def main() -> None:
         P="2, 3, 4 ranks on one node (2 cores: beyond 2, oversubscribed); 2 emulated hosts x 2",
         launch="mpirun --with-ft ulfm (Open MPI 5, ULFM)")
     shm = measure_recovery("shm")
-    net, label = report.resolve_net("1gbit")
+    net, _ = report.resolve_net("1gbit")
     emulated = measure_recovery(net) if net != "shm" else []
     commit = run_worker("commit", 2, 100, ft=True)
+    every = math.ceil(commit["commit_s"] / commit["step_s"] / 0.05)
     runs = {True: [], False: []}
     for _ in range(3):
         for ft in (False, True):
@@ -258,12 +260,18 @@ def main() -> None:
         "wait for its gradients); the job (192 samples, 4 per rank per step, commit every 3",
         "steps, one epoch) then finishes on the survivors and exits 0.", "",
         report.table(shm), "",
-        f"Emulated cluster ({label}): both ranks of the second host killed at once.", "",
+        f"Emulated cluster: 2 hosts (network namespaces) x 2 ranks, {net} per link (tc tbf both "
+        "ways), MPI over TCP between the hosts: both ranks of the second host killed at once "
+        "(its Open MPI daemon lives).", "",
         report.table(emulated) if emulated else "(no emulated cluster here)", "",
         "## commit() on the main job's model (64-512-512-10 MLP, dense, 2 ranks)", "",
         report.table([{"median step (ms)": round(commit["step_s"] * 1e3, 3),
                        "median commit() (ms)": round(commit["commit_s"] * 1e3, 3),
                        "commit / step": f"{commit['commit_s'] / commit['step_s']:.1%}"}]), "",
+        "A commit copies the model and the optimizer's state (here 2 x 1.2 MB) into the buffers "
+        "of the previous one, then one small broadcast (check_host_updates). Committing every "
+        f"{every} steps keeps it under 5% of the training time, as Horovod advises committing "
+        "less often than every batch.",
         "## Steady state: the same training with and without fault tolerance (2 ranks, "
         "300 steps)", "",
         report.table(throughput), "",

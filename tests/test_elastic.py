@@ -70,19 +70,21 @@ def last_commit_before(step):
     return step // COMMIT_EVERY * COMMIT_EVERY
 
 
-@pytest.mark.parametrize("how", ["kill", "raise"])
-def test_a_lost_rank_is_survived_exactly(tmp_path, how):
-    """4 ranks, world rank 3 ends mid-epoch (step 7 of 48, after its backward pass): the job
-    finishes every epoch on 3 ranks, exit status 0, with the reference's weights."""
+@pytest.mark.parametrize("method, how", [("none", "kill"), ("none", "raise"), ("gtopk", "kill"),
+                                         ("od-sgd", "kill"), ("p3", "kill")])
+def test_a_lost_rank_is_survived_exactly(tmp_path, method, how):
+    """4 ranks, world rank 3 ends mid-epoch (step 7 of 48, after its backward pass, while the
+    others wait for its gradients): the job finishes every epoch on 3 ranks, exit status 0,
+    with the reference's weights (gTop-k: each survivor's residuals as of the commit)."""
     fail_at = 7
-    proc = job(4, "none", tmp_path / "a", "--fail", f"3:{fail_at}:{how}")
+    proc = job(4, method, tmp_path / "a", "--fail", f"3:{fail_at}:{how}")
     out = finished(proc, 3)
     assert "going on with 3 ranks" in out
     if how == "raise":
         assert "RuntimeError: rank 3 fails on purpose" in out
     seen = sizes_logged(tmp_path / "a")
     assert seen[3] == [4] and all(seen[r] == [3, 4] for r in range(3)), seen
-    expected = reference(tmp_path, "none", [4, 3], [last_commit_before(fail_at)])
+    expected = reference(tmp_path, method, [4, 3], [last_commit_before(fail_at)])
     assert_same_weights(tmp_path / "a", expected)
 
 
