@@ -15,9 +15,12 @@ class HvcommError(RuntimeError, ValueError):
         self.everywhere = everywhere
 
 
-class HorovodInternalError(HvcommError):
-    """A process of the job failed (Horovod's name): the collective in flight cannot finish.
-    Raised on every surviving rank; :func:`hvcomm.torch.elastic.run` recovers from it."""
+class ProcessFailure(HvcommError):
+    """A process of the job failed: the collective in flight cannot finish. Raised on every
+    surviving rank; :func:`hvcomm.torch.elastic.run` recovers from it."""
+
+
+HorovodInternalError = HvcommError  # Horovod's name for the error its collectives raise
 
 
 def raise_together(comm, local_error: Optional[str], what: str) -> None:

@@ -33,5 +33,6 @@ _EXPORTS = {
 }
 __all__ = lazy_names(__name__, globals(), _EXPORTS, {
     "HvcommError": ("collectives.errors", "HvcommError"),
-    "HorovodInternalError": ("collectives.errors", "HorovodInternalError"),
+    "HorovodInternalError": ("collectives.errors", "HvcommError"),  # Horovod's name
+    "ProcessFailure": ("collectives.errors", "ProcessFailure"),
     "HostsUpdatedInterrupt": (".elastic", "HostsUpdatedInterrupt")})

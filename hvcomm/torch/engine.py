@@ -54,6 +54,7 @@ class Engine:
         self.comm = comm
         self.current: "Optional[tuple[str, float]]" = None  # (job, since) while one runs
         self.watchdog = None    # a hvcomm.torch.watchdog.Watchdog, attached by init()
+        self.generation = fault.generation()  # whose communicators a failure here revokes
         self._problem_at = 0.0
         self._open_streams: list = []  # what each running job that waits for the main thread is
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -80,7 +81,7 @@ class Engine:
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 self.current = None
                 if fault.is_process_failure(e):  # revokes hvcomm's communicators everywhere
-                    e = fault.failure_error(e, label)
+                    e = fault.failure_error(e, label, self.generation)
                 elif self.watchdog is not None and not getattr(e, "everywhere", False):
                     self.watchdog.announce("failed", f"{label}: {type(e).__name__}: {e}")
                 handle._finish(error=e)

@@ -8,7 +8,8 @@ What hvcomm does when a process of the job dies, and the one place that knows th
 - Every communicator hvcomm makes is :func:`track`-ed. The first MPI error that says a process
   failed (:func:`is_process_failure`) :func:`revoke`-s all of them, so that every surviving
   rank's pending or next hvcomm call fails at once (ERR_REVOKED) instead of waiting for a rank
-  that waits for the dead one; the caller gets :class:`HorovodInternalError`.
+  that waits for the dead one; the caller gets :class:`ProcessFailure` (a
+  ``HorovodInternalError``, which is :class:`HvcommError`).
 - :mod:`hvcomm.torch.elastic` then shrinks the world (:func:`shrink`) and starts hvcomm again
   on the survivors.
 - A process that survived a failure must not call ``MPI_Finalize``: Open MPI 5's finalize
@@ -34,7 +35,7 @@ from typing import List, Optional
 
 from mpi4py import MPI
 
-from collectives.errors import HorovodInternalError
+from collectives.errors import ProcessFailure
 
 # ERR_IN_STATUS: how a wait on several requests (the sparse collectives' rounds) reports one
 # of them failing; under fault tolerance that is a failed peer
@@ -42,7 +43,8 @@ FAILURE_CLASSES = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REV
                    MPI.ERR_IN_STATUS)
 
 _tracked: List[MPI.Comm] = []
-_failures = 0          # failures seen in this process (a failure revokes once per world)
+_generation = 0        # which start of hvcomm the tracked communicators belong to
+_failures = 0          # revocations in this process (one per failure, per world)
 _revoked = False       # the tracked communicators are revoked (until the next world)
 _exit_status: object = 0
 _ending_installed = False
@@ -73,11 +75,18 @@ def track(*comms: MPI.Comm) -> None:
     _tracked.extend(c for c in comms if c != MPI.COMM_NULL)
 
 
+def generation() -> int:
+    """Which start of hvcomm this is: a thread of an earlier one (an engine that outlived its
+    shutdown) must not revoke the communicators of the next."""
+    return _generation
+
+
 def untrack_all() -> None:
     """hvcomm has shut down: its communicators are no longer its own to revoke."""
-    global _revoked
+    global _revoked, _generation
     _tracked.clear()
     _revoked = False
+    _generation += 1
 
 
 def broken() -> bool:
@@ -85,10 +94,11 @@ def broken() -> bool:
     return _revoked
 
 
-def revoke() -> None:
-    """Interrupt every hvcomm communication on every surviving rank (idempotent)."""
+def revoke(of_generation: Optional[int] = None) -> None:
+    """Interrupt every hvcomm communication on every surviving rank (idempotent); nothing when
+    ``of_generation`` is given and is not the current one."""
     global _revoked, _failures
-    if _revoked:
+    if _revoked or (of_generation is not None and of_generation != _generation):
         return
     _revoked = True
     _failures += 1
@@ -99,10 +109,11 @@ def revoke() -> None:
             pass
 
 
-def failure_error(error: MPI.Exception, during: str) -> HorovodInternalError:
-    """Revoke, and the error every hvcomm caller on this rank gets for ``error``."""
-    revoke()
-    return HorovodInternalError(
+def failure_error(error: MPI.Exception, during: str, of_generation: int) -> ProcessFailure:
+    """Revoke (the communicators of ``of_generation``), and the error every hvcomm caller on
+    this rank gets for ``error``."""
+    revoke(of_generation)
+    return ProcessFailure(
         f"a process of the job failed while this rank ran {during} ({error.Get_error_string()}); "
         "inside hvcomm.torch.elastic.run the survivors restore the last commit and go on, "
         "elsewhere the job cannot continue")
@@ -123,9 +134,10 @@ def failed_in(world: MPI.Comm) -> bool:
     return False
 
 
-DEADLINE_S = float(os.environ.get("HVCOMM_ELASTIC_DEADLINE_S", 120))
-"""How long a recovery, or the end of a process after a failure, may take before the rank
-gives up: it prints every thread's stack and exits 1 (never a hang)."""
+DEADLINE_S = float(os.environ.get("HVCOMM_ELASTIC_DEADLINE_S", 600))
+"""How long a recovery may take before the rank gives up: it prints every thread's stack and
+exits 1 (a safety net against a hang in MPI itself). A recovery waits for every survivor to
+reach an hvcomm call: make it longer than the longest stretch without one (an evaluation)."""
 
 
 @contextlib.contextmanager
@@ -153,17 +165,17 @@ def shrink(world: MPI.Comm) -> MPI.Comm:
 # -- how a process ends once failures are possible ------------------------------------------------
 def install_ending(world_of) -> None:
     """From now on (fault tolerance on): an exception that escapes ends this rank as a failed
-    process (the others go on), and, after a survived failure, the process ends without
-    MPI_Finalize (:func:`end_process`). ``world_of()`` gives the communicator of the
-    survivors."""
+    process inside ``hvcomm.torch.elastic.run`` (the others go on) and aborts the whole job
+    elsewhere; after a survived failure, the process ends without MPI_Finalize
+    (:func:`end_process`). ``world_of()`` gives the communicator of the survivors."""
     global _ending_installed
     if _ending_installed:
         return
     _ending_installed = True
-    sys.excepthook = _die_as_failed
+    sys.excepthook = _uncaught
     real_exit = sys.exit
 
-    def exit(status=None):  # noqa: A001 - Horovod scripts call sys.exit; keep their status
+    def exit(status=None):  # noqa: A001 - keep the status a script asks for
         _record_status(status)
         real_exit(status)
     sys.exit = exit
@@ -175,18 +187,24 @@ def _record_status(status) -> None:
     _exit_status = status
 
 
-def _die_as_failed(exc_type, exc, tb) -> None:
+def _uncaught(exc_type, exc, tb) -> None:
     traceback.print_exception(exc_type, exc, tb)
+    rank = MPI.COMM_WORLD.Get_rank()
     if getattr(exc, "everywhere", False):  # every rank raises it together: a clean error exit
         _record_status(1)
         sys.stderr.write("hvcomm: every rank stops with this error\n")
         sys.stderr.flush()
         return
-    sys.stderr.write(f"hvcomm: uncaught exception on rank {MPI.COMM_WORLD.Get_rank()} "
-                     "(fault tolerance on): this rank ends as a failed process and the others "
-                     "go on without it\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    if not getattr(exc, "hvcomm_elastic", False):
+        sys.stderr.write(f"hvcomm: uncaught exception on rank {rank}; aborting the whole job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    # inside elastic.run: a killed process is reported to the others (an exiting one is not)
+    sys.stderr.write(f"hvcomm: uncaught exception on rank {rank} in elastic.run: this rank ends "
+                     "as a failed process and the others go on without it\n")
+    sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -205,8 +223,7 @@ def end_process(world: Optional[MPI.Comm]) -> None:
     if _failures == 0 or MPI.Is_finalized() or world is None:
         return
     try:  # every survivor is done: nothing it sent is still on its way
-        with deadline():
-            world.Barrier()
+        world.Barrier()
     except MPI.Exception:  # a further failure at the very end: nobody is left to wait for
         pass
     logging.shutdown()

@@ -58,19 +58,23 @@ class _DistributedMixin:
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._patch_step_function()
 
-    def _hvcomm_rebuild(self) -> None:
+    def _hvcomm_rebuild(self, keep_state: bool) -> None:
         """Start again on the current runtime (after an elastic reset): a new strategy, as if
-        made now with the same options; its state comes from the next ``load_state_dict``
-        (``TorchState.restore``). Collective."""
+        made now with the same options. ``keep_state``: it takes over the old one's state
+        (a reset without a failure); else its state comes from the next ``load_state_dict``
+        (``TorchState.restore`` after a failure). Collective."""
         o = self._hvcomm_options
         if o.process_set is not None and o.process_set is not global_process_set:
             raise HvcommError("DistributedOptimizer(process_set=...) cannot go on after a process "
                               "failure: the world has shrunk and process sets are dissolved; "
                               "average over every rank in elastic training", everywhere=True)
+        state = self._strategy.state_dict() if keep_state else None
         for hook in self._hook_handles:
             hook.remove()
         self._strategy.close()
         self._hvcomm_setup(o)
+        if state is not None:
+            self._strategy.load_state_dict(state)
 
     # -- what the strategies report ------------------------------------------------------------
     @property
@@ -247,10 +251,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     return opt
 
 
-def rebuild_all() -> None:
+def rebuild_all(keep_state: bool = False) -> None:
     """Every DistributedOptimizer still in use starts again on the current runtime, in the
-    order they were made (the same on every rank). Called by :mod:`hvcomm.torch.elastic`."""
+    order they were made (the same on every rank); see ``_hvcomm_rebuild`` for ``keep_state``.
+    Called by :mod:`hvcomm.torch.elastic`. (A DistributedOptimizer lives while its parameters
+    do: their gradient hooks hold it.)"""
     alive = [opt for opt in (ref() for ref in _made) if opt is not None]
     _made[:] = [weakref.ref(opt) for opt in alive]
     for opt in alive:
-        opt._hvcomm_rebuild()
+        opt._hvcomm_rebuild(keep_state)

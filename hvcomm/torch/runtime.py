@@ -86,6 +86,8 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
         if hvd.size() != comm.Get_size():
             raise HvcommError(f"init: Horovod runs on {hvd.size()} ranks but the communicator has "
                               f"{comm.Get_size()}; pass the communicator Horovod was given")
+    if fault.enabled():  # first: a failure during init() must not end in MPI_Finalize
+        fault.install_ending(world)
     # each communicator is tracked as soon as it exists: a failure during init() revokes it
     fault.track(comm)
     user = comm.Dup()
@@ -105,9 +107,8 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     _runtime = Runtime(user, local, cross, engine, threshold, comm)
     if abort_on_error is None:
         abort_on_error = os.environ.get("HVCOMM_ABORT_ON_ERROR", "1") != "0"
-    if fault.enabled():  # a failed process is revoked around, not aborted on
-        fault.install_ending(world)
-    elif abort_on_error and MPI.COMM_WORLD.Get_size() > 1 and _previous_excepthook is None:
+    if (not fault.enabled() and abort_on_error and MPI.COMM_WORLD.Get_size() > 1
+            and _previous_excepthook is None):  # (with fault tolerance: fault's excepthook)
         _previous_excepthook, sys.excepthook = sys.excepthook, _abort_on_uncaught
     if os.environ.get("HVCOMM_TIMELINE"):
         start_timeline(os.environ["HVCOMM_TIMELINE"])

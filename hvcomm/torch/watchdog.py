@@ -71,7 +71,7 @@ class Watchdog:
                 self._inspect()
             except Exception as e:  # noqa: BLE001 - the watchdog must never take a rank down
                 if fault.is_process_failure(e):
-                    fault.revoke()
+                    fault.revoke(self.engine.generation)
                     return  # its communicator is revoked: the elastic layer takes over
                 print(f"hvcomm watchdog on rank {self.rank}: {e!r}", file=sys.stderr)
 

@@ -7,7 +7,8 @@ schedule: the script behind tests/test_elastic.py and scripts/bench_elastic.py.
 
 ``--fail 3:7`` ends world rank 3 right after the backward pass of global step 7, while the
 others wait for its gradients; ``how``: kill (SIGKILL, the default), host (SIGKILL to every
-rank on its node, itself last), raise (an exception escapes). ``--stop-at-commit S`` saves
+rank on its node, itself last), raise (an exception escapes), reset (SIGKILL in its reset
+callback, during the recovery from another failure; STEP is not used). ``--stop-at-commit S`` saves
 each rank's committed state to OUT/commit.rank<R>.pt at the commit after step S and ends;
 ``--resume`` starts from those files instead of from scratch (rank R reads rank R's): the two
 make the reference for a failure, trained on the old size up to the commit and on the new size
@@ -42,11 +43,16 @@ def dataset():
 
 
 def parse_failures(specs):
-    plan = {}
+    """{(step, world rank): how}, and the world ranks that die in their reset callback."""
+    plan, in_reset = {}, set()
     for spec in specs:
         rank, step, *how = spec.split(":")
-        plan[int(step), int(rank)] = how[0] if how else "kill"
-    return plan
+        how = how[0] if how else "kill"
+        if how == "reset":
+            in_reset.add(int(rank))
+        else:
+            plan[int(step), int(rank)] = how
+    return plan, in_reset
 
 
 def fail(how: str, node_pids) -> None:
@@ -71,7 +77,7 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (no value changes)")
     a = ap.parse_args()
-    failures = parse_failures(a.fail)
+    failures, die_in_reset = parse_failures(a.fail)
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     node_pids = node.allgather(os.getpid())
     node.Free()
@@ -103,8 +109,13 @@ def main():
     def rescale():
         for group in opt.param_groups:
             group["lr"] = LR * hvd.size()
-    state.register_reset_callbacks([rescale])
-    rescale()
+
+    def on_reset():
+        if WORLD_RANK in die_in_reset:
+            fail("kill", node_pids)
+        rescale()
+    state.register_reset_callbacks([on_reset])
+    rescale()  # (a resumed optimizer has the learning rate of the size it was saved at)
     log = open(a.out / f"steps.rank{WORLD_RANK}.jsonl", "a")
 
     @hvd.elastic.run

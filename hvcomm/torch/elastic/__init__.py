@@ -12,8 +12,9 @@ no driver, no Gloo and no discovery script. Launch as usual, with fault toleranc
     train(hvd.elastic.TorchState(model, optimizer, epoch=0))
 
 When a process dies (SIGKILL, a lost node's ranks, an exception that escapes on one rank),
-the collective in flight raises :class:`HorovodInternalError` on every survivor within
-seconds (hvcomm revokes its communicators: see :mod:`hvcomm.torch.fault`). :func:`run` then
+the collective in flight raises :class:`ProcessFailure` (a ``HorovodInternalError``) on
+every survivor within seconds (hvcomm revokes its communicators: see
+:mod:`hvcomm.torch.fault`). :func:`run` then
 
 1. shrinks the world to the survivors (``MPI_Comm_shrink``, which also makes them agree on
    who failed) and stops if fewer than ``min_np`` are left (a clear error on every survivor);
@@ -43,7 +44,7 @@ import time
 import warnings
 from typing import Any, Callable, Optional
 
-from collectives.errors import HorovodInternalError, HvcommError
+from collectives.errors import HorovodInternalError, HvcommError, ProcessFailure
 
 from .. import fault
 from .. import runtime as _runtime
@@ -69,20 +70,20 @@ def _min_np(min_np: Optional[int]) -> int:
 
 
 def _is_failure(error: BaseException) -> bool:
-    return isinstance(error, HorovodInternalError) or fault.is_process_failure(error)
+    return isinstance(error, ProcessFailure) or fault.is_process_failure(error)
 
 
 
 def _reset() -> None:
-    """Horovod's reset: hvcomm stops and starts again on the same (or shrunken) world."""
+    """Horovod's reset after a change of hosts (no failure): hvcomm stops and starts again on
+    the same world; every DistributedOptimizer keeps its state."""
     _runtime.shutdown()
     _runtime.init()
-    rebuild_all()
+    rebuild_all(keep_state=True)
 
 
 def _recover(min_np: int, detected: float) -> None:
     """Shrink to the survivors and start again on them (collective over the survivors)."""
-    fault.revoke()                     # every survivor leaves whatever it waits in
     world = _runtime.world()
     _runtime.shutdown()
     fault.untrack_all()                # (also when a failure interrupted init())
@@ -90,7 +91,6 @@ def _recover(min_np: int, detected: float) -> None:
     survivors = fault.shrink(world)
     shrink_s = time.perf_counter() - t0
     _runtime.continue_on(survivors)
-    fault.track(survivors)
     if survivors.Get_size() < min_np:
         raise HvcommError(f"hvcomm elastic: a process failed and {survivors.Get_size()} are left, "
                           f"fewer than min_np={min_np} (HVCOMM_ELASTIC_MIN_NP); the job stops",
@@ -139,14 +139,23 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
                 sync = not e.skip_sync
-                _reset()
-                state.on_reset()
+                try:
+                    _reset()
+                    state.on_reset()
+                except Exception as error:  # noqa: BLE001 - a failure during the reset
+                    if not (_is_failure(error) and fault.enabled()):
+                        raise
+                    fault.revoke()
+                    detected, recovering, sync = time.time(), True, True
             except Exception as e:  # noqa: BLE001 - only process failures are recovered from
                 # every survivor gets here with a failure, or with an error that every rank
                 # raises together (which a failure can cause); they agree on which it was
                 if not fault.enabled() or not (_is_failure(e) or getattr(e, "everywhere", False)):
+                    e.hvcomm_elastic = True  # escaping from here: this rank ends, not the job
                     raise
                 detected = time.time()
+                if _is_failure(e):
+                    fault.revoke()  # (a failure met in this thread): the others stop waiting
                 with fault.deadline():
                     failed = fault.failed_in(_runtime.world())
                 if not (failed or _is_failure(e)):

@@ -25,6 +25,9 @@ from ..runtime import rank
 from .sampler import ElasticSampler
 
 
+REMOVED, ADDED = 1, 2  # Horovod's HostUpdateResult flags (removed | added = mixed)
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Hosts were added or removed: every rank stops at the same commit and resets.
     ``skip_sync``: only hosts were removed, so the survivors' state is already the same."""
@@ -40,7 +43,7 @@ class State:
 
     def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int]):
         self._bcast_object, self._rank = bcast_object, get_rank
-        self._host_messages: "queue.Queue[Tuple[int, bool]]" = queue.Queue()
+        self._host_messages: "queue.Queue[Tuple[int, int]]" = queue.Queue()
         self._last_updated_timestamp = 0
         self._reset_callbacks: List[Callable[[], None]] = []
 
@@ -55,9 +58,10 @@ class State:
         for callback in self._reset_callbacks:
             callback()
 
-    def on_hosts_updated(self, timestamp: int, removed_only: bool = False) -> None:
-        """A change of hosts was announced (``timestamp`` grows with each announcement)."""
-        self._host_messages.put((timestamp, removed_only))
+    def on_hosts_updated(self, timestamp: int, update_res: int = REMOVED | ADDED) -> None:
+        """A change of hosts was announced (``timestamp`` grows with each announcement;
+        ``update_res``: :data:`REMOVED`, :data:`ADDED` or both, as Horovod's driver says)."""
+        self._host_messages.put((timestamp, update_res))
 
     def commit(self) -> None:
         """Save the state (a copy in host memory), then check for host changes: raises
@@ -68,16 +72,17 @@ class State:
     def check_host_updates(self) -> None:
         """Collective: every rank learns rank 0's newest host change, and raises
         :class:`HostsUpdatedInterrupt` together when there is a new one."""
-        newest, removed_only = self._last_updated_timestamp, True
+        newest, update = self._last_updated_timestamp, 0
         while not self._host_messages.empty():
-            timestamp, removed = self._host_messages.get()
+            timestamp, update_res = self._host_messages.get()
             if timestamp > newest:
-                newest, removed_only = timestamp, removed_only and removed
+                newest = timestamp
+                update |= update_res
         previous = self._last_updated_timestamp
-        previous, newest, removed_only = self._bcast_object((previous, newest, removed_only))
+        previous, newest, update = self._bcast_object((previous, newest, update))
         self._last_updated_timestamp = newest
         if newest > previous:
-            raise HostsUpdatedInterrupt(removed_only)
+            raise HostsUpdatedInterrupt(skip_sync=update == REMOVED)
 
     def save(self) -> None:
         raise NotImplementedError
@@ -129,7 +134,10 @@ def snapshot(value, previous=None):
         return value.detach().clone()
     if isinstance(value, dict):
         before = previous if isinstance(previous, dict) else {}
-        return type(value)((k, snapshot(v, before.get(k))) for k, v in value.items())
+        copied = type(value)((k, snapshot(v, before.get(k))) for k, v in value.items())
+        if hasattr(value, "_metadata"):  # a module's state dict: the modules' versions
+            copied._metadata = copy.deepcopy(value._metadata)
+        return copied
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         before = previous if type(previous) is type(value) and len(previous) == len(value) \
             else [None] * len(value)
