@@ -7,7 +7,8 @@ schedule: the script behind tests/test_elastic.py and scripts/bench_elastic.py.
 
 ``--fail 3:7`` ends world rank 3 right after the backward pass of global step 7, while the
 others wait for its gradients; ``how``: kill (SIGKILL, the default), host (SIGKILL to every
-rank on its node, itself last), raise (an exception escapes), reset (SIGKILL in its reset
+rank on its node, itself last), daemon (SIGKILL to its parent, Open MPI's daemon on that
+node, then itself: a node crash), raise (an exception escapes), reset (SIGKILL in its reset
 callback, during the recovery from another failure; STEP is not used). ``--stop-at-commit S`` saves
 each rank's committed state to OUT/commit.rank<R>.pt at the commit after step S and ends;
 ``--resume`` starts from those files instead of from scratch (rank R reads rank R's): the two
@@ -63,6 +64,8 @@ def fail(how: str, node_pids) -> None:
         for pid in node_pids:
             if pid != os.getpid():
                 os.kill(pid, signal.SIGKILL)
+    if how == "daemon":
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
