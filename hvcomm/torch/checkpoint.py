@@ -52,7 +52,8 @@ def saved_steps(directory: PathLike, rank: Optional[int] = None) -> List[int]:
 def newest_common(directory: PathLike, comm=None) -> Optional[int]:
     """COLLECTIVE over ``comm`` (default hvcomm's communicator): the newest step that every
     rank has saved, i.e. the minimum over the ranks of each rank's newest; None when some rank
-    has none. (Each rank saves every step it reaches, so the others have that step too.)"""
+    has none. (The ranks save at the same steps, every step or every N, so the others have that
+    step too.)"""
     from mpi4py import MPI
     if comm is None:
         from .runtime import mpi_comm
