@@ -32,6 +32,7 @@ def test_same_weights_as_horovod(n):
 def test_failure_on_one_rank_ends_the_job():
     t0 = time.monotonic()
     proc = mpirun(3, "crash_one_rank.py", timeout=90, check_ok=False)
+    assert "started size=3" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "deliberate failure" in proc.stderr
     assert "unreachable" not in proc.stdout

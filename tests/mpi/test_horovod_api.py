@@ -70,10 +70,22 @@ def test_sparse_gradients():
             assert emb.weight.grad.is_sparse == sparse
             weights.append(emb.weight.detach().clone())
         assert torch.allclose(weights[0], weights[1], atol=1e-6)
+    torch.manual_seed(5)
     emb = torch.nn.Embedding(10, 3, sparse=True)
+    before = emb.weight.detach().clone()
     opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1))
     emb(idx).sum().backward()
     opt.step()
+    # by hand: the averaged gradient of a row is (its lookups on all ranks) / size, in every
+    # column; Adam's first step moves each row with a gradient by lr * g / (|g| + eps)
+    lookups = torch.zeros(10)
+    for q in range(hvd.size()):
+        for row in (q % 10, 3, 7, (2 * q) % 10):
+            lookups[row] += 1
+    g = (lookups / hvd.size())[:, None].expand(10, 3)
+    expected = before - 0.1 * g / (g.abs() + 1e-8)
+    assert torch.allclose(emb.weight.detach(), expected, atol=1e-6), emb.weight - expected
+    assert not torch.equal(emb.weight.detach(), before)
 
 
 def test_autograd_through_the_collectives():
