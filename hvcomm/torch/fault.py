@@ -200,6 +200,9 @@ def _uncaught(exc_type, exc, tb) -> None:
     if not getattr(exc, "hvcomm_elastic", False):
         sys.stderr.write(f"hvcomm: uncaught exception on rank {rank}; aborting the whole job\n")
         sys.stderr.flush()
+        # MPI_Abort under fault tolerance hung once in many runs when every rank called it:
+        # this rank then ends by itself (exit 1) after 15 s
+        faulthandler.dump_traceback_later(15, exit=True)
         MPI.COMM_WORLD.Abort(1)
     # inside elastic.run: a killed process is reported to the others (an exiting one is not)
     sys.stderr.write(f"hvcomm: uncaught exception on rank {rank} in elastic.run: this rank ends "
