@@ -48,9 +48,7 @@ _failures = 0          # revocations in this process (one per failure, per world
 _revoked = False       # the tracked communicators are revoked (until the next world)
 _exit_status: object = 0
 _ending_installed = False
-
-
-_enabled: Optional[bool] = None
+_enabled: Optional[bool] = None  # enabled(), once known
 
 
 def enabled() -> bool:
@@ -152,11 +150,8 @@ def deadline():
 
 
 def shrink(world: MPI.Comm) -> MPI.Comm:
-    """The survivors of ``world`` (collective over them; tolerant of further failures)."""
-    try:
-        world.Revoke()
-    except MPI.Exception:
-        pass
+    """The survivors of ``world`` (collective over them; tolerant of further failures; the
+    caller has revoked it)."""
     survivors = world.Shrink()
     survivors.Set_errhandler(MPI.ERRORS_RETURN)
     return survivors

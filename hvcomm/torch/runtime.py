@@ -74,7 +74,7 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     if _runtime is not None:
         return
     if comm is None:
-        comm = _world if _world is not None else MPI.COMM_WORLD
+        comm = world()
     elif not isinstance(comm, MPI.Comm):
         ranks = list(comm)
         group = MPI.COMM_WORLD.Get_group().Incl(ranks)

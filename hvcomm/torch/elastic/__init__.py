@@ -73,7 +73,6 @@ def _is_failure(error: BaseException) -> bool:
     return isinstance(error, ProcessFailure) or fault.is_process_failure(error)
 
 
-
 def _reset() -> None:
     """Horovod's reset after a change of hosts (no failure): hvcomm stops and starts again on
     the same world; every DistributedOptimizer keeps its state."""
@@ -84,6 +83,7 @@ def _reset() -> None:
 
 def _recover(min_np: int, detected: float) -> None:
     """Shrink to the survivors and start again on them (collective over the survivors)."""
+    fault.revoke()  # (where an error every rank raised revealed the failure: not yet done)
     world = _runtime.world()
     _runtime.shutdown()
     fault.untrack_all()                # (also when a failure interrupted init())
@@ -125,9 +125,13 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
             warnings.warn("hvcomm elastic: this job runs without MPI fault tolerance, so a failed "
                           "process ends it; launch with `mpirun --with-ft ulfm` (Open MPI 5) to "
                           "go on without it", stacklevel=2)
-        recovering, sync, detected = False, True, 0.0
+        recovering, resetting, sync, detected = False, False, True, 0.0
         while True:
             try:
+                if resetting:  # here, so that a failure during the reset is met below
+                    _reset()
+                    state.on_reset()
+                    resetting = False
                 if recovering:
                     with fault.deadline():
                         _recover(least, detected)
@@ -138,15 +142,7 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                     state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
-                sync = not e.skip_sync
-                try:
-                    _reset()
-                    state.on_reset()
-                except Exception as error:  # noqa: BLE001 - a failure during the reset
-                    if not (_is_failure(error) and fault.enabled()):
-                        raise
-                    fault.revoke()
-                    detected, recovering, sync = time.time(), True, True
+                resetting, sync = True, not e.skip_sync
             except Exception as e:  # noqa: BLE001 - only process failures are recovered from
                 # every survivor gets here with a failure, or with an error that every rank
                 # raises together (which a failure can cause); they agree on which it was
@@ -160,6 +156,6 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                     failed = fault.failed_in(_runtime.world())
                 if not (failed or _is_failure(e)):
                     raise
-                recovering, sync = True, True
+                recovering, resetting, sync = True, False, True
     return wrapper
 
