@@ -15,7 +15,7 @@ from tabulate import tabulate
 
 from hvcomm.cluster import launch
 from hvcomm.cluster.launch import mpi_library
-from hvcomm.cluster.netem import EmulatedCluster, parse_rate_bit_s, unsupported_reason
+from hvcomm.cluster.netem import TCP_MCA, EmulatedCluster, parse_rate_bit_s, unsupported_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -72,18 +72,19 @@ def write(name: str, title: str, setting_: Dict[str, str], body: str) -> Path:
 
 
 def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, net: str = "shm",
-               **kw) -> Any:
+               tcp_mca: Optional[Dict[str, str]] = None, **kw) -> Any:
     """Run ``argv --out OUT`` on n ranks and return the JSON that rank 0 wrote to OUT.
 
     ``net`` is "shm" (one node, shared memory) or a link rate such as "1gbit": then every
-    rank runs on its own emulated host. Raises RuntimeError with the tail
+    rank runs on its own emulated host, with Open MPI's TCP settings ``tcp_mca`` (default
+    hvcomm.cluster.netem.TCP_MCA). Raises RuntimeError with the tail
     of the output if the job fails.
     """
     argv = [*argv, "--out", str(out)]
     if net == "shm":
         proc = launch.run(n, argv, timeout=timeout, **kw)
     else:
-        with EmulatedCluster(hosts=n, rate=net) as cluster:
+        with EmulatedCluster(hosts=n, rate=net, tcp_mca=tcp_mca) as cluster:
             proc = cluster.mpirun(argv, timeout=timeout, **kw)
     if proc.returncode != 0 or not out.exists():
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]
@@ -112,5 +113,7 @@ def resolve_net(net: str) -> Tuple[str, str]:
         print(f"hvcomm: cannot emulate {net} ({reason}); running on shared memory instead",
               file=sys.stderr)
         return "shm", f"shared memory, one node (asked for {net}; emulation unavailable: {reason})"
+    tcp = " ".join(f"{k}={v}" for k, v in sorted(TCP_MCA.items()))
     return net, (f"emulated cluster: one host (network namespace) per rank, {net} per link "
-                 "(tc tbf both ways) into a bridge, MPI over TCP, Open MPI ring allreduce")
+                 f"(tc tbf both ways) into a bridge, MPI over TCP ({tcp}), Open MPI ring "
+                 "allreduce")

@@ -28,6 +28,17 @@ from . import launch
 PREFIX = "hvc-"
 SUBNET = "198.18.0"
 
+# Open MPI's TCP transport (ob1 + btl tcp) sends the rest of a large message as ONE "put"
+# fragment (btl_tcp_rdma_pipeline_frag_size defaults to 2 GiB), queued on the connection ahead
+# of anything sent later. When two ranks exchange large messages over one connection (the ring
+# at P = 2, pairwise exchanges at any P), the go-ahead a rank owes its peer for the peer's
+# message can queue behind its own whole message, and the two directions of the full-duplex
+# link run one after the other: a whole phase lost, as often as the race goes that way (more
+# often beside computation). 256 KiB fragments keep both directions going, and cost nothing
+# measured at 10 Gbit/s. Evidence and every setting tried: results/contention_1gbit.md. The
+# same setting is exported for Ethernet clusters in slurm/ethernet.sbatch.
+TCP_MCA: Dict[str, str] = {"btl_tcp_rdma_pipeline_frag_size": "262144"}
+
 _AGENT = """#!/bin/sh
 # hvcomm launch agent: Open MPI calls it as ssh would be ("agent HOST COMMAND...");
 # it runs the command inside the network namespace of that emulated host instead, under a
@@ -120,10 +131,13 @@ class EmulatedCluster:
     """Context manager: builds the hosts on entry, always tears them down on exit."""
 
     def __init__(self, hosts: int, rate: str = "1gbit", latency: str = "0us",
-                 mpi_allreduce: str = "ring", *, prefix: str = PREFIX, subnet: str = SUBNET):
+                 mpi_allreduce: str = "ring", *, tcp_mca: Optional[Dict[str, str]] = None,
+                 prefix: str = PREFIX, subnet: str = SUBNET):
         """``mpi_allreduce``: "ring" makes Open MPI use its ring allreduce (bandwidth-optimal:
         the strongest dense baseline on slow links; its default choice measured 1.9x the ring
         model at 4 hosts and 1 Gbit/s), "default" leaves Open MPI's own decision.
+        ``tcp_mca``: Open MPI settings for its TCP transport, default :data:`TCP_MCA`; ``{}``
+        runs Open MPI's shipped ones.
         ``prefix`` names the namespaces and ``subnet`` (a /24 in 198.18.0.0/15, as
         "198.18.N") numbers the hosts: two clusters with different ones can coexist."""
         if not re.fullmatch(r"198\.1[89]\.\d{1,3}", subnet) or int(subnet.split(".")[2]) > 255:
@@ -133,6 +147,7 @@ class EmulatedCluster:
         if mpi_allreduce not in ("ring", "default"):
             raise HvcommError(f"mpi_allreduce must be 'ring' or 'default', got {mpi_allreduce!r}")
         self.mpi_allreduce = mpi_allreduce
+        self.tcp_mca = dict(TCP_MCA if tcp_mca is None else tcp_mca)
         if hosts < 1 or hosts > 200:
             raise HvcommError(f"hosts must be in [1, 200], got {hosts}")
         self.hosts = hosts
@@ -157,8 +172,9 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         lat = f", +{self.latency} latency" if self.latency_s else ""
+        tcp = " ".join(f"{k}={v}" for k, v in sorted(self.tcp_mca.items())) or "as shipped"
         return (f"{self.hosts} emulated hosts, {self.rate} per link{lat} (tbf, netns, "
-                f"{self.subnet}), Open MPI allreduce: {self.mpi_allreduce}")
+                f"{self.subnet}), Open MPI allreduce: {self.mpi_allreduce}, TCP: {tcp}")
 
     # -- set-up and tear-down --------------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":
@@ -249,6 +265,7 @@ class EmulatedCluster:
         if self.mpi_allreduce == "ring":
             mca += ["--mca", "coll_tuned_use_dynamic_rules", "1",
                     "--mca", "coll_tuned_allreduce_algorithm", "4"]
+        mca += [a for k, v in sorted(self.tcp_mca.items()) for a in ("--mca", k, v)]
         # Open MPI forwards only OMPI_* variables to the other hosts' daemons: add hvcomm's and
         # the thread limits (without OMP_NUM_THREADS=1 torch's OpenMP threads spin on every core)
         env = launch.mpi_env()
