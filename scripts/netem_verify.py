@@ -1,6 +1,7 @@
 """Check the emulated cluster against its configuration: point-to-point bandwidth between two
-hosts (target: within 10% of the rate) and a 100 MB Allreduce over 4 hosts (target: within 25%
-of the ring model 2(P-1)/P * bytes / bandwidth). Writes results/netem_verify.md.
+hosts, one way and both ways at once (the links are full duplex; target: within 10% of the
+rate each way), and a 100 MB Allreduce over 2 and 4 hosts (target: within 25% of the ring
+model 2(P-1)/P * bytes / bandwidth). Writes results/netem_verify.md.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 import report
-from hvcomm.cluster.netem import EmulatedCluster, parse_rate_bit_s
+from hvcomm.cluster.netem import TCP_MCA, EmulatedCluster, parse_rate_bit_s
 
 
 def worker(args) -> None:
@@ -20,6 +21,7 @@ def worker(args) -> None:
 
     comm = MPI.COMM_WORLD
     buf = np.ones(args.bytes // 4, np.float32)
+    other = np.empty_like(buf)
     times = []
     for _ in range(args.repeats + 1):
         comm.Barrier()
@@ -30,6 +32,9 @@ def worker(args) -> None:
             elif comm.rank == 1:
                 comm.Recv(buf, source=0)
             comm.Barrier()  # the sender's timer stops when the receiver has everything
+        elif args.mode == "exchange":
+            if comm.rank < 2:
+                comm.Sendrecv(buf, dest=1 - comm.rank, recvbuf=other, source=1 - comm.rank)
         else:
             comm.Allreduce(MPI.IN_PLACE, buf)
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
@@ -52,7 +57,7 @@ def measure(hosts: int, rate: str, mode: str, nbytes: int, repeats: int, tmp: Pa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--mode", choices=["p2p", "allreduce"])
+    ap.add_argument("--mode", choices=["p2p", "exchange", "allreduce"])
     ap.add_argument("--bytes", type=int)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
@@ -61,20 +66,22 @@ def main() -> None:
         return worker(args)
     tmp = Path(tempfile.mkdtemp(prefix="hvcomm-netem-"))
     rows = []
-    for rate, nbytes in (("1gbit", 125_000_000), ("100mbit", 25_000_000)):
-        t = measure(2, rate, "p2p", nbytes, args.repeats, tmp)
+    for mode, rate, nbytes in (("p2p", "1gbit", 125_000_000), ("p2p", "100mbit", 25_000_000),
+                               ("exchange", "1gbit", 125_000_000)):
+        t = measure(2, rate, mode, nbytes, args.repeats, tmp)
         bw = nbytes * 8 / t
-        rows.append({"test": "Send/Recv, 2 hosts", "link": rate, "bytes": f"{nbytes:,}",
+        test = "Send/Recv, 2 hosts" if mode == "p2p" else "Sendrecv both ways, 2 hosts (each way)"
+        rows.append({"test": test, "link": rate, "bytes": f"{nbytes:,}",
                      "measured s": f"{t:.3f}", "measured": f"{bw / 1e6:.0f} Mbit/s",
                      "model": f"{parse_rate_bit_s(rate) / 1e6:.0f} Mbit/s",
                      "measured/model": f"{bw / parse_rate_bit_s(rate):.3f}", "target": "within 10%",
                      "ok": abs(bw / parse_rate_bit_s(rate) - 1) <= 0.10})
         print(rows[-1], flush=True)
-    p, nbytes, rate = 4, 100_000_000, "1gbit"
-    model = 2 * (p - 1) / p * nbytes * 8 / parse_rate_bit_s(rate)
-    for algorithm in ("ring", "default"):
+    nbytes, rate = 100_000_000, "1gbit"
+    for p, algorithm in ((2, "ring"), (4, "ring"), (4, "default")):
+        model = 2 * (p - 1) / p * nbytes * 8 / parse_rate_bit_s(rate)
         t = measure(p, rate, "allreduce", nbytes, args.repeats, tmp, algorithm)
-        rows.append({"test": f"Allreduce, 4 hosts, Open MPI {algorithm} algorithm", "link": rate,
+        rows.append({"test": f"Allreduce, {p} hosts, Open MPI {algorithm} algorithm", "link": rate,
                      "bytes": f"{nbytes:,}", "measured s": f"{t:.3f}", "measured": f"{t:.3f} s",
                      "model": f"{model:.3f} s (ring)", "measured/model": f"{t / model:.3f}",
                      "target": "within 25%" if algorithm == "ring" else "(for information)",
@@ -84,7 +91,8 @@ def main() -> None:
     print(text)
     report.write("netem_verify", "Emulated network: measured against configured", report.setting(
         network="emulated cluster: one network namespace per host, veth into a bridge, tc tbf "
-        "both ways, no added latency (this kernel has no netem)", mpi_transport="Open MPI ob1/tcp",
+        "both ways, no added latency (this kernel has no netem)",
+        mpi_transport="Open MPI ob1/tcp, " + " ".join(f"{k}={v}" for k, v in TCP_MCA.items()),
         timing=f"median of {args.repeats} after one warm-up, slowest rank"), text)
     if not all(r["ok"] for r in rows if r["ok"] != "-"):
         raise SystemExit("some figures are outside their targets (see the table)")

@@ -40,6 +40,10 @@ PREDICTION = ("hvcomm.sim.simulate with alpha and beta measured in the same mpir
 TRIAL_STEPS = 2
 RACE_STEPS = 1 + 3 + 4 * (1 + TRIAL_STEPS)
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
+# the seed papers' claims, as (method, its baseline): MG-WFBP against WFBP, single-message and
+# threshold merging; P3 against WFBP; the delayed methods against S-SGD (WFBP)
+COMPARISONS = (("mgwfbp", "wfbp"), ("mgwfbp", "single"), ("mgwfbp", "threshold"),
+               ("p3", "wfbp"), ("od-sgd", "wfbp"), ("ssd-sgd", "wfbp"), ("cd-sgd", "wfbp"))
 
 
 def train_step(opt, model) -> None:
@@ -200,6 +204,24 @@ def plot(rows, title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def comparisons(rows) -> list:
+    """Each COMPARISONS pair at each P where both were run: the baseline's time over the
+    method's, measured and predicted (above 1: the method is faster)."""
+    at = {(r["P"], r["method"]): r for r in rows}
+    out = []
+    for p in sorted({r["P"] for r in rows}):
+        for method, base in COMPARISONS:
+            if (p, method) in at and (p, base) in at:
+                m, b = at[p, method], at[p, base]
+                measured = b["measured ms"] / m["measured ms"]
+                predicted = b["predicted ms"] / m["predicted ms"]
+                out.append({"P": p, "method": method, "against": base,
+                            "speed-up measured": round(measured, 3),
+                            "speed-up predicted": round(predicted, 3),
+                            "same verdict": (measured > 1) == (predicted > 1)})
+    return out
+
+
 def write(name, net, label, args, trace, rows, local_rows) -> Path:
     """results/<name>.md (the tables), .png (the plot) and .json (the rows, for scale_sim)."""
     (report.RESULTS / f"{name}.json").write_text(json.dumps(
@@ -218,6 +240,8 @@ def write(name, net, label, args, trace, rows, local_rows) -> Path:
         + report.table(rows, HEADERS + ("alpha us", "Gbit/s"))
         + f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows. Plot: "
         f"`results/{name}.png`.\n"
+        + ("\nThe papers' comparisons, from the rows above (the baseline's time over the "
+           "method's):\n\n" + report.table(comparisons(rows)) + "\n" if comparisons(rows) else "")
         + "\nP ranks alone (one-rank communicators, started together): each method's cost "
         f"beyond the trace's {trace.compute_s * 1e3:.1f} ms\n\n" + report.table(local_rows) + "\n")
 
