@@ -36,7 +36,8 @@ def commit() -> str:
 def setting(**extra) -> Dict[str, str]:
     base = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit(), "mpi": mpi_library(), "python": platform.python_version(),
-            "machine": f"{platform.machine()}, {_cpus()} cores"}
+            "machine": f"{platform.machine()}, {_cpus()} cores", "cpu": cpu_model(),
+            "torch cpu capability": torch_cpu_capability()}
     base.update({k: str(v) for k, v in extra.items()})
     return base
 
@@ -44,6 +45,25 @@ def setting(**extra) -> Dict[str, str]:
 def _cpus() -> int:
     import os
     return len(os.sched_getaffinity(0))
+
+
+def cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo), or 'unknown'."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def torch_cpu_capability() -> str:
+    """The instruction set torch picked its CPU kernels for (DEFAULT, AVX2, AVX512...): the
+    same command gives bitwise the same weights only where this is the same. Set
+    ATEN_CPU_CAPABILITY=default before starting to force the portable kernels."""
+    import torch
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def weights_digest(named_tensors) -> str:
