@@ -102,6 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     intra = simulate.intra_link(args.intra or simulate.default_intra(args.gpu))
     papers_net = simulate.network(PAPERS_NET)
+    common = report.setting()  # before any file is written: the commit is clean or not
     validated = args.validated_error or (
         "NOT VALIDATED YET: to be filled in (scale_sim.py's VALIDATED_ERROR or "
         "--validated-error) from the replays on the fixed instrument of issue 27.")
@@ -124,8 +125,8 @@ def main() -> None:
                 f"{PAPERS_NET} (hvcomm/sim/traces/{model}-{PAPERS_GPU}.json):\n\n"
                 + report.table([papers_row]) + f"\n\nThe papers: {PAPERS}\n\n"
                 f"The simulator's validated error: {validated}\n\n" + replay_error())
-        path = report.write(name, f"Predicted scaling efficiency, {model}", report.setting(
-            trace=f"hvcomm/sim/traces/{model}-{args.gpu}.json: {trace.source}",
+        path = report.write(name, f"Predicted scaling efficiency, {model}", dict(
+            common, trace=f"hvcomm/sim/traces/{model}-{args.gpu}.json: {trace.source}",
             cluster=(f"4 and 8 GPUs: one node; from 16 on: nodes of {GPUS_PER_NODE}; inside a "
                      "node: hierarchical allreduce (collectives.cost.hierarchical_allreduce_s)"),
             intra_node=(f"{intra.name}: {intra.bandwidth_bit_s / 8e9:g} GB/s each way, alpha "
