@@ -55,11 +55,13 @@ def load_factory(spec: str) -> Tuple[Callable[[], Any], str]:
     if not file.is_file() or module_spec is None:
         raise HvcommError(f"--measure {spec!r}: {path!r} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as an import would (dataclasses look it up)
     folder = str(file.resolve().parent)
     sys.path.insert(0, folder)
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
+        del sys.modules[module_spec.name]
         raise HvcommError(f"--measure {spec!r}: importing {path} raised "
                           f"{type(e).__name__}: {e}") from e
     finally:
@@ -191,7 +193,7 @@ def _layer_times(model, args, kwargs, loss_fn, steps, dev) -> Tuple[List[Layer],
         mine = [p for p in module.parameters(recurse=False) if p.requires_grad and p not in owner]
         owner.update((p, len(owned)) for p in mine)
         if mine:
-            owned.append((mod_name, module, mine))
+            owned.append((mod_name or "(model)", module, mine))  # "": the model's own
     if not owned:
         raise HvcommError(f"{type(model).__name__} has no trainable parameters: nothing to "
                           "synchronise")
