@@ -44,8 +44,9 @@ def lazy_names(package: str, namespace: dict, sources: Dict[str, Sequence[str]],
 
 
 __all__ = lazy_names(__name__, globals(), {
-    ".cost": ("AlphaBeta", "Calibration", "calibrate", "gtopk_allreduce_s", "ring_allreduce_s",
-              "slowest_times", "time_collective", "topk_allgather_s"),
+    ".cost": ("AlphaBeta", "Calibration", "broadcast_s", "calibrate", "gtopk_allreduce_s",
+              "hierarchical_allreduce_s", "reduce_s", "ring_allreduce_s", "slowest_times",
+              "time_collective", "topk_allgather_s"),
     ".dense": ("allreduce", "iallreduce", "icast_allreduce"),
     ".errors": ("HorovodInternalError", "HvcommError", "ProcessFailure", "check_agree",
                 "raise_together"),

@@ -32,6 +32,40 @@ def ring_allreduce_s(p: int, nbytes: float, ab: AlphaBeta) -> float:
     return 2 * (p - 1) * ab.alpha_s + 2 * (p - 1) / p * nbytes * ab.beta_s_per_byte
 
 
+def reduce_s(p: int, nbytes: float, ab: AlphaBeta) -> float:
+    """Reduce to one rank: a ring reduce-scatter, then the root gathers the other P-1 blocks.
+    Each half takes (P-1) alpha + (P-1)/P * bytes * beta, so a reduce costs what a ring
+    allreduce costs (whose second half is an allgather instead of the gather)."""
+    return ring_allreduce_s(p, nbytes, ab)
+
+
+def broadcast_s(p: int, nbytes: float, ab: AlphaBeta) -> float:
+    """Broadcast from one rank: the root scatters P blocks, then a ring allgather; the mirror
+    of :func:`reduce_s`, at its cost."""
+    return reduce_s(p, nbytes, ab)
+
+
+def hierarchical_allreduce_s(nodes: int, gpus_per_node: int, nbytes: float, intra: AlphaBeta,
+                             inter: AlphaBeta) -> float:
+    """Allreduce of ``nbytes`` over N ``nodes`` of G ``gpus_per_node`` GPUs, the GPUs of a
+    node joined by the ``intra`` link, the nodes by the ``inter`` network (one port each):
+    reduce inside each node to one of its GPUs, ring allreduce among those N GPUs, broadcast
+    inside each node (M = nbytes; a = alpha, b = beta):
+
+        T = reduce_s(G) + ring_allreduce_s(N) + broadcast_s(G)
+          = 4(G-1) a_intra + 4(G-1)/G M b_intra + 2(N-1) a_inter + 2(N-1)/N M b_inter
+
+    G = 1 is the flat ring over N. N = 1 has nothing to cross: the G GPUs run one ring
+    allreduce over the intra link, 2(G-1) a_intra + 2(G-1)/G M b_intra, as NCCL does inside a
+    node. (Horovod's NCCL hierarchical allreduce does a reduce-scatter and an allgather inside
+    the node instead of the reduce and the broadcast, each GPU allreducing its 1/G across the
+    nodes: the same inter term through the node's one port, half the intra term.)"""
+    if nodes == 1:
+        return ring_allreduce_s(gpus_per_node, nbytes, intra)
+    return reduce_s(gpus_per_node, nbytes, intra) + ring_allreduce_s(nodes, nbytes, inter) \
+        + broadcast_s(gpus_per_node, nbytes, intra)
+
+
 def topk_allgather_s(p: int, k: int, pair_bytes: int, ab: AlphaBeta) -> float:
     """Top-k AllGather: counts then pairs, ceil(log2 P) steps each, (P-1) k pairs received."""
     if p <= 1:

@@ -18,6 +18,7 @@ import torch
 
 import report
 from hvcomm.sim.models import MODELS, layer_profile, measured_profile
+from hvcomm.sim.profile import machine_of
 from hvcomm.sim.simulate import TRACES
 
 # peak float32 FLOP/s and memory bandwidth from the vendors' datasheets; the sustained
@@ -56,7 +57,7 @@ def trace(model: str, gpu: str) -> dict:
 def measured(model: str, batch: int, steps: int) -> dict:
     profile = measured_profile(model, batch, steps)
     return {"model": model, "batch": batch, "bytes_per_param": 4, "device": "cpu",
-            "update_s": profile["update_s"],
+            "measured_on": machine_of(torch.device("cpu")), "update_s": profile["update_s"],
             "source": (f"measured on this machine ({report.setting()['machine']}, torch "
                        f"{torch.__version__} with {torch.get_num_threads()} threads, commit "
                        f"{report.commit()}) by "

@@ -158,10 +158,12 @@ def main() -> None:
                                "local ms (beyond the trace)": round(local * 1e3, 1)})
             res = report.run_worker(p, argv + [method], timeout=3600,
                                    out=tmp / f"{p}-{method}.json", net=net)
-            fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"])
+            fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"],
+                                      "measured: the replay's own allreduces (calibrated)")
             measured = res["rows"][method]
-            pred = simulate.iteration(method, trace, p, fitted, args.density,
-                                      compute=simulate.COMPUTE["cpu"], local_s=local).iteration_s
+            pred = simulate.iteration(method, trace, simulate.Cluster.flat(p, fitted),
+                                      density=args.density, compute=simulate.COMPUTE["cpu"],
+                                      local_s=local).iteration_s
             rows.append({"P": p, "method": method, "measured ms": round(measured * 1e3, 1),
                          "predicted ms": round(pred * 1e3, 1),
                          "predicted / measured": round(pred / measured, 3),

@@ -1,14 +1,18 @@
-"""hvcomm.sim.simulate against cases computed by hand, the shipped traces, and the advisor."""
+"""hvcomm.sim.simulate against cases computed by hand (flat, and on nodes of several GPUs), the
+shipped traces, and the advisor."""
 import subprocess
 import sys
 
 import pytest
 
+from collectives.cost import AlphaBeta, hierarchical_allreduce_s
 from collectives.errors import HvcommError
 from hvcomm.sim import simulate as S
 
 NET = S.Network("test", 10e-6, 1e9)          # alpha 10 us, beta 8 ns per byte
+FAST = S.Network("fast", 1e-6, 80e9)         # inside a node: alpha 1 us, beta 0.1 ns per byte
 FREE = S.ComputeCost(0.0, 0.0, 0.0)          # communication only
+NODES = S.Cluster(2, 4, NET, FAST)           # N = 2 nodes of G = 4 GPUs
 
 
 def trace(*layers, update_s=0.5e-3):
@@ -22,12 +26,14 @@ TWO = trace((1000, 0.5e-3, 2e-3), (3000, 0.5e-3, 1e-3))
 
 
 def ms(method, t, p, **kw):
-    return S.iteration(method, t, p, NET, **kw).iteration_s * 1e3
+    """Milliseconds at p hosts of one GPU on NET, or on a cluster given as p."""
+    cluster = p if isinstance(p, S.Cluster) else S.Cluster.flat(p, NET)
+    return S.iteration(method, t, cluster, **kw).iteration_s * 1e3
 
 
 @pytest.mark.parametrize("method", S.METHODS)
 def test_one_worker_is_computation_only(method):
-    r = S.iteration(method, TWO, 1, NET)
+    r = S.iteration(method, TWO, S.Cluster.flat(1, NET))
     assert r.iteration_s == pytest.approx(4.5e-3) and r.efficiency == pytest.approx(1.0)
 
 
@@ -67,7 +73,8 @@ def test_od_sgd_hides_communication_up_to_the_computation():
     # ring at P=2 of 4000 B: 52 us, hidden by 3 ms of forward and backward
     assert ms("od-sgd", ONE, 2) == pytest.approx(3.5)
     slow = S.Network("slow", 10e-6, 1e6)     # 1 Mbit/s: 20 us + 32 ms, not hidden
-    assert S.iteration("od-sgd", ONE, 2, slow).iteration_s * 1e3 == pytest.approx(32.02 + 0.5)
+    assert S.iteration("od-sgd", ONE, S.Cluster.flat(2, slow)).iteration_s * 1e3 == \
+        pytest.approx(32.02 + 0.5)
 
 
 def test_delayed_family_with_slow_network():
@@ -117,13 +124,19 @@ def test_p3_waits_per_layer_in_the_next_forward():
 
 def test_bad_input():
     with pytest.raises(HvcommError, match="unknown method"):
-        S.iteration("allgatherx", ONE, 2, NET)
-    with pytest.raises(HvcommError, match="workers"):
-        S.iteration("gtopk", ONE, 0, NET)
+        ms("allgatherx", ONE, 2)
+    with pytest.raises(HvcommError, match="nodes must be a whole number >= 1"):
+        S.Cluster.flat(0, NET)
+    with pytest.raises(HvcommError, match="gpus_per_node must be"):
+        S.Cluster(2, 0, NET, FAST)
+    with pytest.raises(HvcommError, match="4 GPUs per node need the link between them"):
+        S.Cluster(2, 4, NET)
     with pytest.raises(HvcommError, match="unknown network"):
         S.network("2gbit")
+    with pytest.raises(HvcommError, match="unknown intra-node link"):
+        S.intra_link("nvlink9")
     with pytest.raises(HvcommError, match="slice_elems"):
-        S.iteration("p3", ONE, 2, NET, slice_elems=0)
+        ms("p3", ONE, 2, slice_elems=0)
 
 
 def test_shipped_traces_load():
@@ -154,3 +167,75 @@ def test_measured_local_cost_replaces_the_modelled_selection():
     assert got == pytest.approx(3.5 + 2.0 + (2 * 2 * 10 + 2 * 40 * 17 * 8e-3) / 1e3)
     assert ms("wfbp", ONE, 4, local_s=1e-3) == pytest.approx(3.608 + 1.0)
     assert ms("od-sgd", ONE, 1, local_s=1e-3) == pytest.approx(4.5)
+
+
+# -- nodes of several GPUs --------------------------------------------------------------------
+def test_hierarchical_allreduce_by_hand():
+    ab_fast, ab_net = AlphaBeta.from_link(1e-6, 80e9), AlphaBeta.from_link(10e-6, 1e9)
+    # N=2 nodes of G=4, 1e6 bytes. Reduce inside a node (a ring reduce-scatter, then a gather):
+    # 2*3*1 us + 2*3/4 * 1e6 B * 0.1 ns = 6 + 150 us. Ring across the 2 nodes: 2*1*10 us +
+    # 2*1/2 * 1e6 B * 8 ns = 20 + 8000 us. Broadcast inside (a scatter, then a ring
+    # allgather): 6 + 150 us again. In all 8332 us.
+    assert hierarchical_allreduce_s(2, 4, 1e6, ab_fast, ab_net) * 1e6 == pytest.approx(8332)
+    assert NODES.allreduce_s(1e6) * 1e6 == pytest.approx(8332)
+    # one GPU per node: the flat ring over 4, 2*3*10 us + 2*3/4 * 4000 B * 8 ns = 60 + 48 us
+    assert hierarchical_allreduce_s(4, 1, 4000, ab_fast, ab_net) * 1e6 == pytest.approx(108)
+    assert S.Cluster(4, 1, NET).allreduce_s(4000) * 1e6 == pytest.approx(108)
+    # one node of 4: nothing crosses the network, one ring over the intra link: 6 + 150 us
+    assert S.Cluster(1, 4, NET, FAST).allreduce_s(1e6) * 1e6 == pytest.approx(156)
+
+
+@pytest.mark.parametrize("method", S.METHODS)
+def test_one_gpu_per_node_is_the_flat_model(method):
+    flat = S.iteration(method, TWO, S.Cluster.flat(4, NET), compute=FREE)
+    for one_gpu in (S.Cluster(4, 1, NET), S.Cluster(4, 1, NET, FAST)):   # the link goes unused
+        assert S.iteration(method, TWO, one_gpu, compute=FREE).iteration_s == flat.iteration_s
+
+
+@pytest.mark.parametrize("method", ["wfbp", "single", "threshold", "merge_rule", "mgwfbp"])
+def test_schedules_plan_with_the_hierarchical_allreduce(method):
+    # 2 nodes of 4, 4000 B: reduce 2*3*1 + 1.5 * 4000 * 0.1e-3 = 6.6 us, ring across
+    # 2*10 + 4000 * 8e-3 = 52 us, broadcast 6.6 us: 65.2 us after 3 ms, then 0.5 ms
+    assert ms(method, ONE, NODES) == pytest.approx(3.5652)
+
+
+def test_fp16_and_delayed_methods_use_the_hierarchical_allreduce():
+    # fp16, 2000 B: 2 * (6 + 1.5 * 2000 * 0.1e-3) + 20 + 2000 * 8e-3 = 48.6 us
+    assert ms("fp16", ONE, NODES) == pytest.approx(3.5 + 0.0486)
+    # OD-SGD, 4 MB: 2 * (6 + 1.5 * 4e6 * 0.1e-3) + 20 + 4e6 * 8e-3 = 33232 us, not hidden
+    big = trace((1_000_000, 1e-3, 2e-3))
+    assert ms("od-sgd", big, NODES) == pytest.approx(33.232 + 0.5)
+
+
+def test_gtopk_takes_its_first_rounds_inside_the_node():
+    t = trace((4000, 1e-3, 2e-3))            # density 0.01: k = 40 pairs of 8 B
+    # 2 rounds inside (G=4): 2*2*1 us + 2 * 40 * 17 B * 0.1 ns = 4.136 us; 1 round across
+    # (N=2): 2*10 us + 40 * 17 B * 8 ns = 25.44 us
+    assert ms("gtopk", t, NODES, density=0.01, compute=FREE) == pytest.approx(3.5 + 0.029576)
+    # 3 merges of 2k = 80 pairs at 10 ns
+    merges = S.ComputeCost(0.0, 1e-8, 0.0)
+    assert ms("gtopk", t, NODES, density=0.01, compute=merges) == \
+        pytest.approx(3.5 + 0.029576 + 3 * 80 * 1e-5)
+
+
+def test_topk_reduces_inside_the_node_then_gathers_across():
+    t = trace((4000, 1e-3, 2e-3))            # k = 40 pairs of 8 B; 16000 B dense
+    # dense reduce inside: 6 + 1.5 * 16000 * 0.1e-3 = 8.4 us; AllGather across N=2:
+    # 2*1*10 + 40 * 8 * 8e-3 = 22.56 us; broadcast of the 2*40 pairs (640 B, less than the
+    # dense 16000 B): 6 + 1.5 * 640 * 0.1e-3 = 6.096 us
+    assert ms("topk", t, NODES, density=0.01, compute=FREE) == pytest.approx(3.5 + 0.037056)
+    # summing the N k = 80 gathered pairs at 10 ns
+    sums = S.ComputeCost(0.0, 0.0, 1e-8)
+    assert ms("topk", t, NODES, density=0.01, compute=sums) == pytest.approx(3.5 + 0.037856)
+    # cheaper than the flat AllGather over 8 hosts: 2*3*10 + 7 * 40 * 8 * 8e-3 = 77.92 us
+    assert ms("topk", t, 8, density=0.01, compute=FREE) == pytest.approx(3.5 + 0.07792)
+
+
+def test_methods_that_cannot_be_modelled_say_why():
+    many = S.Cluster(16, 8, NET, FAST)        # 128 workers: int8 sums of codes overflow
+    with pytest.raises(HvcommError, match="at most 127"):
+        S.iteration("twobit", ONE, many)
+    ranked, left_out = S.compare(ONE, many)
+    assert set(left_out) == {"twobit", "cd-sgd"} and "at most 127" in left_out["cd-sgd"]
+    assert {r.method for r in ranked} == set(S.METHODS) - set(left_out)
+    assert S.compare(ONE, S.Cluster(127, 1, NET))[1] == {}

@@ -2,14 +2,12 @@
 downloads): ResNet-20 (CIFAR-10, :func:`cifar_resnet`), ResNet-50 and VGG-16 (ImageNet),
 BERT-base (sequence 128); :func:`layer_profile`, each parameterised module's parameters and
 forward FLOPs per sample; :func:`measured_profile`, their forward and backward times measured
-on this machine.
+on this machine (by :mod:`hvcomm.sim.profile`).
 """
 from __future__ import annotations
 
-import time
 from typing import Dict, List
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -203,17 +201,12 @@ def layer_profile(name: str) -> List[Dict]:
 
 
 def measured_profile(name: str, batch: int, steps: int = 5, seed: int = 0) -> Dict:
-    """Each parameter-holding module's forward and backward time on this machine (float32, the
-    threads torch has), in forward (call) order: the median over ``steps`` training steps after
-    one warm-up, and the SGD-with-momentum update's time.
-
-    Forward: from the previous layer's end to this layer's end (what lies between layers,
-    activations and pooling, goes to the layer after it; the loss to the last). Backward: from
-    hvcomm's gradient-ready profiler (the one MG-WFBP plans with): a layer's backward ends when
-    its last gradient is final and starts where the backward so far had got to (taken in
-    reverse forward order, so the times add up to the whole backward). Returns {"layers":
-    [{"name", "shapes", "params", "forward_s", "backward_s"}], "update_s"}."""
-    from hvcomm.torch.methods.schedule import Profiler
+    """Each parameter-holding module's forward and backward time on this machine's CPU
+    (float32, the threads torch has), in forward (call) order: the median over ``steps``
+    training steps after one warm-up, with a cross-entropy loss, and the SGD-with-momentum
+    update's time (:func:`hvcomm.sim.profile.measure` says how). Returns {"layers": [{"name",
+    "shapes", "params", "forward_s", "backward_s"}], "update_s"}."""
+    from .profile import measure
 
     build, example = MODELS[name]
     torch.manual_seed(seed)
@@ -221,46 +214,7 @@ def measured_profile(name: str, batch: int, steps: int = 5, seed: int = 0) -> Di
     one = example()
     shape = (batch, *one.shape[1:])
     x = torch.randint(0, 1000, shape) if one.dtype == torch.long else torch.randn(shape)
-    modules = [(n, m) for n, m in model.named_modules() if list(m.parameters(recurse=False))]
-    owner = {p: li for li, (_, m) in enumerate(modules) for p in m.parameters(recurse=False)}
-    params = [p for p in model.parameters() if p in owner]
-    ends = np.zeros(len(modules))
-    hooks = [m.register_forward_hook(lambda *_a, li=li: ends.__setitem__(li, time.perf_counter()))
-             for li, (_, m) in enumerate(modules)]
-    profiler = Profiler(len(params), skip=1, steps=steps)
-    hooks += [p.register_post_accumulate_grad_hook(lambda _p, i=i: profiler.grad_ready(i))
-              for i, p in enumerate(params)]
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    order, forward, update = None, [], []
-    for step in range(1 + steps):
-        opt.zero_grad()
-        t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x), torch.zeros(batch, dtype=torch.long))
-        profiler.next_iteration()  # backward starts now
-        if order is None:
-            order = np.argsort(ends)
-        else:
-            stamps = np.concatenate([[t0], ends[order]])
-            forward.append(np.diff(stamps))
-            forward[-1][-1] += profiler.start - stamps[-1]  # the loss
-        loss.backward()
-        t1 = time.perf_counter()
-        opt.step()
-        if step:
-            update.append(time.perf_counter() - t1)
-    for h in hooks:
-        h.remove()
-    forward_s = np.median(np.array(forward), axis=0)
-    ready = [np.median(t) for t in profiler.ready]
-    done = [max(ready[i] for i, p in enumerate(params) if owner[p] == li) for li in order]
-    backward_s, reached = [0.0] * len(order), 0.0
-    for j in reversed(range(len(order))):
-        backward_s[j], reached = max(done[j] - reached, 0.0), max(reached, done[j])
-    layers = []
-    for j, li in enumerate(order):
-        n, m = modules[li]
-        own = list(m.parameters(recurse=False))
-        layers.append({"name": n, "shapes": [list(p.shape) for p in own],
-                       "params": sum(p.numel() for p in own), "forward_s": float(forward_s[j]),
-                       "backward_s": float(backward_s[j])})
-    return {"layers": layers, "update_s": float(np.median(update))}
+    target = torch.zeros(batch, dtype=torch.long)
+    trace = measure(model, x, lambda out: torch.nn.functional.cross_entropy(out, target),
+                    steps=steps, device="cpu", name=name).to_dict()
+    return {"layers": trace["layers"], "update_s": trace["update_s"]}

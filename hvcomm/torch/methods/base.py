@@ -29,14 +29,16 @@ from collectives.errors import HvcommError
 @dataclass(frozen=True)
 class Case:
     """One prediction's input (built by :func:`hvcomm.sim.simulate.iteration`): one worker's
-    ``trace`` (a :class:`hvcomm.sim.simulate.LayerTrace`), ``workers`` > 1, the network's
-    :class:`collectives.cost.AlphaBeta` ``ab``, the local ``compute`` costs per element
-    (:class:`hvcomm.sim.simulate.ComputeCost`), the methods' settings, and ``local_s``: a
-    measured per-iteration local cost that replaces the modelled one (None: modelled)."""
+    ``trace`` (a :class:`hvcomm.sim.simulate.LayerTrace`), the ``cluster`` of more than one
+    worker (a :class:`hvcomm.sim.simulate.Cluster`: nodes of GPUs, the links inside and between
+    them), the local ``compute`` costs per element (:class:`hvcomm.sim.simulate.ComputeCost`),
+    the methods' settings, and ``local_s``: a measured per-iteration local cost that replaces
+    the modelled one (None: modelled). A prediction prices its dense allreduces with
+    :meth:`allreduce_s` (hierarchical where a node has several GPUs); a method whose
+    collective takes another form on nodes of several GPUs reads ``cluster``'s links."""
 
     trace: Any
-    workers: int
-    ab: Any
+    cluster: Any
     compute: Any
     density: float = 0.001
     threshold_bytes: int = 25 << 20
@@ -44,6 +46,14 @@ class Case:
     delay_k: int = 5
     rank: int = 4
     local_s: Optional[float] = None
+
+    @property
+    def workers(self) -> int:
+        return self.cluster.workers
+
+    def allreduce_s(self, nbytes: float) -> float:
+        """A dense allreduce of ``nbytes`` over every worker of the cluster."""
+        return self.cluster.allreduce_s(nbytes)
 
     def local(self, modelled_s: float = 0.0) -> float:
         """The local cost on the critical path: measured if given, else ``modelled_s``."""
@@ -241,6 +251,10 @@ class Method:
     def predict(self, case: Case) -> float:
         """The iteration time (s) at ``case.workers`` > 1 workers."""
         raise NotImplementedError
+
+    def unmodelled(self, case: Case) -> Optional[str]:
+        """Why this method has no prediction for ``case`` (None: it has one)."""
+        return None
 
     def optimizer_options(self, density: float = 0.001, model=None, warmup_steps: int = 100,
                           trial_steps: int = 5) -> dict:

@@ -19,6 +19,10 @@ class CDSGD(DelayMethod):
         """1-byte codes (2-bit quantisation summed as int8) on k-1 of every k steps."""
         return delayed_s(case, coded_bytes_per_param=1, k=case.delay_k)
 
+    def unmodelled(self, case):
+        """Its 2-bit codes are summed as int8: at most 127 workers."""
+        return TwoBitCompressor().problem((), case.workers)
+
     def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
         """With CD-SGD's own compressor, 2-bit codes of threshold 0.5."""
         return {**super().optimizer_options(density, model, warmup_steps, trial_steps),

@@ -26,7 +26,6 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from collectives.cost import ring_allreduce_s
 from collectives.errors import HvcommError
 
 from .. import timeline
@@ -248,12 +247,12 @@ def delayed_s(case, coded_bytes_per_param: Optional[float] = None, k: int = 1) -
     iteration's forward and backward (its cost hidden up to the computation's length), then
     the update. ``coded_bytes_per_param``: k-1 of every k steps send that many bytes per
     parameter, the k-th the full gradient."""
-    trace, p = case.trace, case.workers
+    trace = case.trace
     busy = trace.compute_s - trace.update_s + case.local()
-    dense = max(busy, ring_allreduce_s(p, trace.params * trace.bytes_per_param, case.ab))
+    dense = max(busy, case.allreduce_s(trace.params * trace.bytes_per_param))
     if coded_bytes_per_param is None:
         return dense + trace.update_s
-    coded = max(busy, ring_allreduce_s(p, trace.params * coded_bytes_per_param, case.ab))
+    coded = max(busy, case.allreduce_s(trace.params * coded_bytes_per_param))
     return ((k - 1) * coded + dense) / k + trace.update_s
 
 

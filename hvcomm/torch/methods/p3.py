@@ -24,8 +24,6 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from collectives.cost import ring_allreduce_s
-
 from .. import timeline
 from .base import ScheduleMethod, ring_bytes, sends_as_is
 from .buckets import CommStats, as_numpy, flat_grad
@@ -288,12 +286,13 @@ def p3_period_s(case, iterations: int = 5) -> float:
     :func:`priority_key` among the ready ones; when nothing known to be ready is left, the ranks
     exchange their readiness (one small allreduce) once a gradient is ready, as the runtime
     does. The next iteration's forward of a layer waits only for that layer's slices and its
-    share of the update."""
-    trace, p, ab, slice_elems = case.trace, case.workers, case.ab, case.slice_elems
+    share of the update. Each slice is one allreduce at the cluster's cost (hierarchical on
+    nodes of several GPUs, where each slice pays the reduce and broadcast inside the node)."""
+    trace, slice_elems = case.trace, case.slice_elems
     tensors = [(li, math.prod(shape)) for li, layer in enumerate(trace.layers)
                for shape in layer.tensors()]
     vector = len(tensors) * trace.bytes_per_param        # readiness, appended to each slice
-    negotiation = ring_allreduce_s(p, 8 * len(tensors), ab)
+    negotiation = case.allreduce_s(8 * len(tensors))
     done = [0.0] * len(trace.layers)  # when each layer's slices of the last iteration were summed
     t = wire = 0.0
     starts = []
@@ -323,7 +322,7 @@ def p3_period_s(case, iterations: int = 5) -> float:
                 heapq.heappush(heap, pending[at])
                 at += 1
             _, _, li, elems = heapq.heappop(heap)
-            wire += ring_allreduce_s(p, elems * trace.bytes_per_param + vector, ab)
+            wire += case.allreduce_s(elems * trace.bytes_per_param + vector)
             left[li] -= 1
             if not left[li]:
                 done[li] = wire

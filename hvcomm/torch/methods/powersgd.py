@@ -33,7 +33,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from collectives.cost import ring_allreduce_s
 from collectives.errors import HvcommError
 
 from .base import (Collective, CompressionMethod, Compressor, Payload, float_problem,
@@ -220,8 +219,8 @@ class PowerSGD(CompressionMethod):
                 q_elems += factors[1] * factors[2] if factors else 0
         bpp = trace.bytes_per_param
         local = case.local(trace.params * r * case.compute.select_s_per_element)
-        return trace.compute_s + local + ring_allreduce_s(case.workers, p_elems * bpp, case.ab) \
-            + ring_allreduce_s(case.workers, q_elems * bpp, case.ab)
+        return trace.compute_s + local + case.allreduce_s(p_elems * bpp) \
+            + case.allreduce_s(q_elems * bpp)
 
     def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
         """Rank 4, every gradient in one bucket after backward, as :meth:`predict` models."""

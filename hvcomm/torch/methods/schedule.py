@@ -240,17 +240,19 @@ class ScheduledPlans:
 
 
 # -- the planned schedules' common part ---------------------------------------------------------
-def ring_cost(case) -> planner.Cost:
-    """The ring allreduce's cost at ``case.workers`` as the planner's T(M) = a + b*M."""
-    p, ab = case.workers, case.ab
-    return planner.Cost(2 * (p - 1) * ab.alpha_s, 2 * (p - 1) / p * ab.beta_s_per_byte)
+def allreduce_cost(case, probe_bytes: float = float(1 << 30)) -> planner.Cost:
+    """The cluster's allreduce (``case.allreduce_s``: the ring, or the hierarchical form on
+    nodes of several GPUs) as the planner's T(M) = a + b*M: it is linear in M, so two points
+    give a and b."""
+    a_s = case.allreduce_s(0)
+    return planner.Cost(a_s, (case.allreduce_s(probe_bytes) - a_s) / probe_bytes)
 
 
 def dense_schedule_s(case, plan: Callable[..., planner.Prediction]) -> float:
     """Iteration time of dense buckets grouped by ``plan`` (a schedule's plan function), plus
     the local cost on the critical path."""
-    return plan(case.trace.planner_trace(), ring_cost(case), case.threshold_bytes).iteration_s \
-        + case.local()
+    predicted = plan(case.trace.planner_trace(), allreduce_cost(case), case.threshold_bytes)
+    return predicted.iteration_s + case.local()
 
 
 class PlannedSchedule(ScheduleMethod):

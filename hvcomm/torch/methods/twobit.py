@@ -49,6 +49,10 @@ class TwoBit(CompressionMethod):
         return dense_schedule_s(dataclasses.replace(case, trace=codes,
                                                     local_s=case.local(quantise)), plan_threshold)
 
+    def unmodelled(self, case):
+        """Its codes are summed as int8: at most 127 workers."""
+        return TwoBitCompressor().problem((), case.workers)
+
 
 METHOD = TwoBit("twobit", "2-bit codes (-1, 0, +1) summed as int8, error feedback",
                 factory=TwoBitCompressor)
