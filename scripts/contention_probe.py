@@ -43,10 +43,9 @@ TCP_COUNTERS = ("Tcp:RetransSegs", "TcpExt:TCPTimeouts", "TcpExt:TCPLossProbes")
 # Open MPI's TCP transport settings tried (hvcomm.cluster.netem.TCP_MCA explains the cause)
 SETTINGS = {
     "as shipped": {},
-    "256 KiB put fragments (chosen)": TCP_MCA,
+    "256 KiB put fragments": {"btl_tcp_rdma_pipeline_frag_size": "262144"},
     "1 MiB put fragments": {"btl_tcp_rdma_pipeline_frag_size": "1048576"},
-    "no put (send pipeline, 128 KiB)": {"btl_tcp_flags": "send,inplace,need-ack,need-csum,"
-                                                         "hetero-rdma"},
+    "no put, 128 KiB sends (the default)": TCP_MCA,
     "2 connections per peer": {"btl_tcp_links": "2"},
 }
 SS_PERIOD_S = 0.05

@@ -34,10 +34,14 @@ SUBNET = "198.18.0"
 # at P = 2, pairwise exchanges at any P), the go-ahead a rank owes its peer for the peer's
 # message can queue behind its own whole message, and the two directions of the full-duplex
 # link run one after the other: a whole phase lost, as often as the race goes that way (more
-# often beside computation). 256 KiB fragments keep both directions going, and cost nothing
-# measured at 10 Gbit/s. Evidence and every setting tried: results/contention_1gbit.md. The
-# same setting is exported for Ethernet clusters in slurm/ethernet.sbatch.
-TCP_MCA: Dict[str, str] = {"btl_tcp_rdma_pipeline_frag_size": "262144"}
+# often beside computation). Without the put protocol (Open MPI 5's default flags less "put"),
+# large messages go as a pipeline of 128 KiB sends, and both directions keep going; it was the
+# best setting tried at 1 Gbit/s, P = 2 and 4, in the probe and in the replay, and faster than
+# the shipped settings at 10 Gbit/s on hvcomm's engine (256 KiB put fragments were faster
+# there, but slower at P = 4 on 1 Gbit/s). Evidence and every setting tried:
+# results/contention_1gbit.md. The same setting is exported for Ethernet clusters in
+# slurm/ethernet.sbatch.
+TCP_MCA: Dict[str, str] = {"btl_tcp_flags": "send,inplace,need-ack,need-csum,hetero-rdma"}
 
 _AGENT = """#!/bin/sh
 # hvcomm launch agent: Open MPI calls it as ssh would be ("agent HOST COMMAND...");
