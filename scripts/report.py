@@ -22,11 +22,14 @@ RESULTS = ROOT / "results"
 
 
 def commit() -> str:
-    """Short commit hash, with '-dirty' when the tree has uncommitted changes."""
+    """Short commit hash, with '-dirty' when the tree has uncommitted changes outside
+    results/ (a benchmark that writes its file more than once, or runs after another whose
+    file is not committed yet, still ran committed code)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                               capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":!results"], cwd=ROOT,
                                text=True, capture_output=True).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
