@@ -138,8 +138,9 @@ class EmulatedCluster:
                  mpi_allreduce: str = "ring", *, tcp_mca: Optional[Dict[str, str]] = None,
                  prefix: str = PREFIX, subnet: str = SUBNET):
         """``mpi_allreduce``: "ring" makes Open MPI use its ring allreduce (bandwidth-optimal:
-        the strongest dense baseline on slow links; its default choice measured 1.9x the ring
-        model at 4 hosts and 1 Gbit/s), "default" leaves Open MPI's own decision.
+        the strongest dense baseline on slow links; at 4 hosts and 1 Gbit/s its default choice
+        measured 1.6-1.9x the ring model with the shipped TCP settings, 1.09x with
+        :data:`TCP_MCA`: results/netem_verify.md), "default" leaves Open MPI's own decision.
         ``tcp_mca``: Open MPI settings for its TCP transport, default :data:`TCP_MCA`; ``{}``
         runs Open MPI's shipped ones.
         ``prefix`` names the namespaces and ``subnet`` (a /24 in 198.18.0.0/15, as
