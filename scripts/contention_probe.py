@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from hvcomm.cluster.netem import TCP_MCA, EmulatedCluster
+from hvcomm.cluster.netem import TCP_MCA, EmulatedCluster, mca_text
 from hvcomm.sim import simulate
 
 import report
@@ -214,12 +214,11 @@ def main() -> None:
         costs.append({"TCP setting": name, "P": 2, "median ms": round(statistics.median(t) * 1e3),
                       "each repeat ms": " ".join(f"{x * 1e3:.0f}" for x in t)})
         print(report.table(costs[-1:]), flush=True)
-    mca = {name: " ".join(f"{k}={v}" for k, v in s.items()) or "(none)"
-           for name, s in SETTINGS.items()}
     body = (report.table(rows) + f"\n\nThe same allreduce alone at {args.fast_net} (the CPU, "
             "not the link, limits it there):\n\n" + report.table(costs) +
             "\n\nThe settings (Open MPI MCA parameters):\n\n" +
-            "\n".join(f"- {name}: `{mca[name]}`" for name in args.settings) + "\n")
+            "\n".join(f"- {name}: `{mca_text(SETTINGS[name]) or '(none)'}`"
+                      for name in args.settings) + "\n")
     path = report.write(
         f"contention_{net}", "A large allreduce beside CPU work, under Open MPI's TCP settings",
         report.setting(network=label.split(", MPI over TCP")[0] + ", MPI over TCP",

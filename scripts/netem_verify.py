@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import report
-from hvcomm.cluster.netem import TCP_MCA, EmulatedCluster, parse_rate_bit_s
+from hvcomm.cluster.netem import TCP_MCA, EmulatedCluster, mca_text, parse_rate_bit_s
 
 
 def worker(args) -> None:
@@ -92,7 +92,7 @@ def main() -> None:
     report.write("netem_verify", "Emulated network: measured against configured", report.setting(
         network="emulated cluster: one network namespace per host, veth into a bridge, tc tbf "
         "both ways, no added latency (this kernel has no netem)",
-        mpi_transport="Open MPI ob1/tcp, " + " ".join(f"{k}={v}" for k, v in TCP_MCA.items()),
+        mpi_transport="Open MPI ob1/tcp, " + mca_text(TCP_MCA),
         timing=f"median of {args.repeats} after one warm-up, slowest rank"), text)
     if not all(r["ok"] for r in rows if r["ok"] != "-"):
         raise SystemExit("some figures are outside their targets (see the table)")

@@ -15,7 +15,8 @@ from tabulate import tabulate
 
 from hvcomm.cluster import launch
 from hvcomm.cluster.launch import mpi_library
-from hvcomm.cluster.netem import TCP_MCA, EmulatedCluster, parse_rate_bit_s, unsupported_reason
+from hvcomm.cluster.netem import (TCP_MCA, EmulatedCluster, mca_text, parse_rate_bit_s,
+                                  unsupported_reason)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -136,7 +137,7 @@ def resolve_net(net: str) -> Tuple[str, str]:
         print(f"hvcomm: cannot emulate {net} ({reason}); running on shared memory instead",
               file=sys.stderr)
         return "shm", f"shared memory, one node (asked for {net}; emulation unavailable: {reason})"
-    tcp = " ".join(f"{k}={v}" for k, v in sorted(TCP_MCA.items()))
+    tcp = mca_text(TCP_MCA)
     return net, (f"emulated cluster: one host (network namespace) per rank, {net} per link "
                  f"(tc tbf both ways) into a bridge, MPI over TCP ({tcp}), Open MPI ring "
                  "allreduce")

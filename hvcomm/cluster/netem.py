@@ -43,6 +43,11 @@ SUBNET = "198.18.0"
 # slurm/ethernet.sbatch.
 TCP_MCA: Dict[str, str] = {"btl_tcp_flags": "send,inplace,need-ack,need-csum,hetero-rdma"}
 
+
+def mca_text(settings: Dict[str, str]) -> str:
+    """Open MPI settings as ``name=value`` pairs, to record beside a result ("" for none)."""
+    return " ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+
 _AGENT = """#!/bin/sh
 # hvcomm launch agent: Open MPI calls it as ssh would be ("agent HOST COMMAND...");
 # it runs the command inside the network namespace of that emulated host instead, under a
@@ -177,7 +182,7 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         lat = f", +{self.latency} latency" if self.latency_s else ""
-        tcp = " ".join(f"{k}={v}" for k, v in sorted(self.tcp_mca.items())) or "as shipped"
+        tcp = mca_text(self.tcp_mca) or "as shipped"
         return (f"{self.hosts} emulated hosts, {self.rate} per link{lat} (tbf, netns, "
                 f"{self.subnet}), Open MPI allreduce: {self.mpi_allreduce}, TCP: {tcp}")
 
