@@ -1,6 +1,7 @@
-"""Shared by the MPI tests: the size check, expect_everywhere, assert_none_anywhere, and ``Checks`` (the one-verdict
-runner of the scripts that are programs, not pytest suites: check_netem.py,
-check_reproducible.py, train_resumable.py; the pytest suites agree through conftest.py)."""
+"""Shared by the MPI tests: the size check, expect_everywhere, assert_none_anywhere, and
+``Checks`` (the one-verdict runner of the scripts that are programs, not pytest suites:
+check_netem.py, check_reproducible.py, train_resumable.py; the pytest suites agree through
+conftest.py)."""
 from __future__ import annotations
 
 import contextlib
