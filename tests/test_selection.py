@@ -1,4 +1,5 @@
-"""The top-k selectors: the sampled one returns exactly the top-k, or falls back."""
+"""The top-k selectors: the sampled one returns exactly the top-k, or falls back; both keep the
+tie rule (equal magnitudes: the lower index) of an independent reference."""
 import numpy as np
 import pytest
 
@@ -36,3 +37,19 @@ def test_fallback_when_the_sample_misleads():
 def test_recall_counts_partial_hits():
     x = np.arange(10, dtype=np.float32)
     assert recall(np.array([9, 8, 0]), x, 3) == pytest.approx(2 / 3)
+
+
+def lower_index_first(x, k):
+    """The reference: indices sorted by (-|x|, index), the first k, ascending."""
+    return np.sort(np.lexsort((np.arange(x.size), -np.abs(x)))[:k])
+
+
+@pytest.mark.parametrize("n,k", [(50, 7), (200_000, 300), (200_000, 60_000)])
+def test_ties_go_to_the_lower_index(n, k):
+    """Integers in [-3, 3]: most magnitudes are tied, at the k-th one too."""
+    x = np.random.default_rng(n + k).integers(-3, 4, n).astype(np.float32)
+    want = lower_index_first(x, k)
+    assert np.array_equal(np.sort(exact_topk(x, k)), want)
+    sel = SampledTopk(seed=4)
+    assert np.array_equal(np.sort(sel(x, k)), want)
+    assert sel.fallbacks == 0  # the sampled cut itself, not the exact fallback

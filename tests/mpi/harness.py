@@ -1,6 +1,7 @@
-"""Shared by the MPI tests: the size check, expect_everywhere, and ``Checks`` (the one-verdict
-runner of the scripts that are programs, not pytest suites: check_netem.py,
-check_reproducible.py, train_resumable.py; the pytest suites agree through conftest.py)."""
+"""Shared by the MPI tests: the size check, expect_everywhere, assert_none_anywhere, and
+``Checks`` (the one-verdict runner of the scripts that are programs, not pytest suites:
+check_netem.py, check_reproducible.py, train_resumable.py; the pytest suites agree through
+conftest.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +31,15 @@ def expect_everywhere(call, text):
         assert text in str(e), f"{text!r} not in {e}"
         return
     raise AssertionError(f"no error mentioning {text!r}")
+
+
+def assert_none_anywhere(problems, comm=MPI.COMM_WORLD, shown=6):
+    """Every rank raises the same AssertionError if any rank has ``problems`` (a list of
+    lines), so that every rank fails, or xfails, alike."""
+    everyone = comm.allgather(list(problems))
+    lines = [f"rank {q}: {line}" for q, theirs in enumerate(everyone) for line in theirs]
+    assert not lines, "\n".join(lines[:shown]) + (
+        f"\n... {len(lines) - shown} more" if len(lines) > shown else "")
 
 
 @contextlib.contextmanager

@@ -1,15 +1,21 @@
-"""Delayed synchronisation (OD-SGD, SSD-SGD, CD-SGD): warm-up equals S-SGD, global weights
-agree on every rank every step, checkpoints resume exactly, the delay is real, bad input."""
+"""Delayed synchronisation (OD-SGD, SSD-SGD, CD-SGD, DC-ASGD's local step): every step's local
+and global weights against the independent serial reference of references.py (exactly, over
+warm-up, delayed steps, SSD-SGD's resets, CD-SGD's full-precision steps, a checkpoint reloaded
+mid-run and finish_pending), warm-up equals S-SGD, global weights agree on every rank every
+step, checkpoints resume exactly, the delay is real, bad input."""
 import copy
+from fractions import Fraction
 
 import pytest
 import torch
+from mpi4py import MPI
 
 import hvcomm.torch as hvd
 
-from harness import default_dtype, expect_everywhere
-from training import (Net, assert_close, assert_same_everywhere, data, loss_fn, make_opt,
-                      shard, train_serial)
+import references as ref
+from harness import assert_none_anywhere, default_dtype, expect_everywhere
+from training import (Net, Quadratic, assert_close, assert_same_everywhere, data, loss_fn,
+                      make_opt, mismatches, shard, train_serial)
 
 STEPS = 8
 MODES = {
@@ -105,6 +111,129 @@ def test_checkpoint_resumes_exactly(name):
     W, W2 = full_opt.global_weights(), opt2.global_weights()
     for n in W:
         assert torch.equal(W[n], W2[n]), n
+
+
+Q = Fraction
+# hvcomm's options, the reference's description and the data, given the number of ranks P.
+# CURVED: the gradient depends on the weights. DC-ASGD's g*g*(W - w) would outgrow float64's
+# 53 bits within the 9 steps with it, so its cases have gradients that do not, with
+# coefficients in [-1, 1] (exact up to P = 8; with [-4, 4] up to P = 3)
+CURVED, FLAT = dict(curved=True), dict(curved=False, spread=1)
+REFERENCED = {
+    "od-sgd": lambda P: (dict(delay=hvd.Delay("od-sgd", warmup_steps=2)),
+                         ref.DelaySpec("od-sgd", 2), None, CURVED),
+    "od-sgd-local_lr": lambda P: (dict(delay=hvd.Delay("od-sgd", warmup_steps=2, local_lr=0.25)),
+                                  ref.DelaySpec("od-sgd", 2, local_lr=Q(1, 4)), None, CURVED),
+    "od-sgd-dcasgd": lambda P: (
+        dict(delay=hvd.Delay("od-sgd", warmup_steps=2, local_lr=0.25, local_optimizer="dcasgd",
+                             dc_lambda=0.5)),
+        ref.DelaySpec("od-sgd", 2, local_lr=Q(1, 4), dcasgd=True, dc_lambda=Q(1, 2)), None, FLAT),
+    "ssd-sgd": lambda P: (dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3, glu=0.5)),
+                          ref.DelaySpec("ssd-sgd", 2, k=3, glu=Q(1, 2)), None, CURVED),
+    "ssd-sgd-dcasgd": lambda P: (
+        dict(delay=hvd.Delay("ssd-sgd", warmup_steps=2, k=3, local_optimizer="dcasgd",
+                             dc_lambda=0.25)),
+        ref.DelaySpec("ssd-sgd", 2, k=3, dcasgd=True, dc_lambda=Q(1, 4)), None, FLAT),
+    "cd-sgd-topk": lambda P: (
+        dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3),
+             compression=hvd.Compression.topk(0.25, scope="bucket")),
+        ref.DelaySpec("cd-sgd", 2, k=3), ref.TopK(0.25, scope="bucket"), CURVED),
+    "cd-sgd-gtopk": lambda P: (
+        dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3),
+             compression=hvd.Compression.gtopk(0.25)),
+        ref.DelaySpec("cd-sgd", 2, k=3), ref.TopK(0.25, tree=True), CURVED),
+    "cd-sgd-randomk": lambda P: (
+        dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=4),
+             compression=hvd.Compression.randomk(0.25, seed=5, variant="error_feedback")),
+        ref.DelaySpec("cd-sgd", 2, k=4), ref.RandomK(0.25, seed=5, variant="error_feedback"),
+        CURVED),
+    "cd-sgd-twobit": lambda P: (
+        dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=2),
+             compression=hvd.Compression.twobit(2.0 * P)),
+        ref.DelaySpec("cd-sgd", 2, k=2), ref.TwoBit(Q(2 * P)), CURVED),
+}
+SHAPES = {"a": (2, 3), "b": (4,)}
+
+
+def build_quadratic(data, **kw):
+    model = Quadratic(SHAPES, **data)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5, weight_decay=0.25),
+        named_parameters=model.named_parameters(), **kw)
+    return model, opt
+
+
+UNSETTLED = ("under delay=, state_dict() waits for the step in flight and settles what its "
+             "compressor settles after the collective ({}) before the next step's gradient is "
+             "compensated, one step earlier than a run that does not save: a run that saves "
+             "(or resumes) before a compressed step differs from one that does not")
+
+
+@pytest.mark.parametrize("name, reload_at", [
+    *[(name, 6) for name in REFERENCED if name != "cd-sgd-gtopk"],
+    ("cd-sgd-gtopk", 5),   # the step in flight is a full-precision one
+    pytest.param("cd-sgd-gtopk", 6, marks=pytest.mark.xfail(
+        MPI.COMM_WORLD.Get_size() > 1, reason=UNSETTLED.format("gTop-k: the pairs the "
+                                                              "tree dropped"), strict=True)),
+])
+def test_matches_the_serial_reference(name, reload_at, steps=9):
+    """2 warm-up steps and 7 delayed ones (SSD-SGD resets at the 1st, 4th and 7th, CD-SGD
+    sends every k-th in full precision); before step ``reload_at`` the state is saved and
+    loaded into a new model and optimizer; then finish_pending. Every step's local weights
+    and global weights W equal the reference's exactly (the residuals at the reload)."""
+    P, r = hvd.size(), hvd.rank()
+    kw, spec, comp, data = REFERENCED[name](P)
+    sgd = ref.SGD(Q(1, 2), Q(1, 2), Q(1, 4))
+    sim = ref.Simulation(P, SHAPES, sgd, comp, spec, **data)
+    model, opt = build_quadratic(data, **kw)
+    problems = []
+
+    def compare(when, want):
+        W = opt.global_weights()
+        for n, p in model.named_parameters():
+            problems.extend(mismatches(f"{when}: local weights {n}", p, want.local[r][n]))
+            problems.extend(mismatches(f"{when}: global weights {n}", W[n], want.W[n]))
+    for s in range(steps):
+        if s == reload_at:
+            state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+            residuals = state["hvcomm"]["residuals_by_param"]
+            for n, want in sim.snapshot().residuals[r].items():
+                problems.extend(mismatches(f"step {s}: residual {n}", residuals[n], want))
+            model, opt = build_quadratic(data, **kw)
+            model.load_state_dict(weights)
+            opt.load_state_dict(state)
+        opt.zero_grad()
+        model.loss(r, s, P).backward()
+        opt.step()
+        compare(f"step {s}", sim.step())
+    opt.finish_pending()
+    compare("finish_pending", sim.finish_pending())
+    assert_none_anywhere(problems)
+
+
+@pytest.mark.parametrize("comp", [
+    pytest.param(hvd.Compression.topk(0.2), id="topk"),
+    pytest.param(hvd.Compression.twobit(0.01), id="twobit"),
+    pytest.param(hvd.Compression.gtopk(0.2), id="gtopk", marks=pytest.mark.xfail(
+        MPI.COMM_WORLD.Get_size() > 1, strict=True,
+        reason=UNSETTLED.format("gTop-k: the pairs the tree dropped"))),
+    pytest.param(hvd.Compression.powersgd(2), id="powersgd", marks=pytest.mark.xfail(
+        strict=True, reason=UNSETTLED.format("PowerSGD: the error of the approximation, Q"))),
+])
+def test_saving_does_not_change_the_run(comp):
+    """state_dict() before a compressed step (CD-SGD, k=3: step 6) leaves the run as it
+    would have gone without it."""
+    kw = dict(delay=hvd.Delay("cd-sgd", warmup_steps=2, k=3), compression=comp)
+    plain, saving = build(**kw), build(**kw)
+    run(*plain, STEPS)
+    run(*saving, 6)
+    saving[1].state_dict()
+    run(*saving, STEPS - 6, start=6)
+    for _, opt in (plain, saving):
+        opt.finish_pending()
+    gap = max((p - q).abs().max().item()
+              for p, q in zip(plain[0].parameters(), saving[0].parameters()))
+    assert_none_anywhere([f"the weights differ by up to {gap:.3g}"] if gap else [])
 
 
 def test_od_the_local_step_by_hand():

@@ -1,6 +1,9 @@
-"""Compressors inside the optimizer: exactness at density 1, residual conservation, the
-result equal to the sum of what every rank had applied, checkpoint resume, bad input."""
+"""Compressors inside the optimizer: every compressor's choice, sum and residual over several
+steps against the independent serial reference of references.py (exactly), exactness at
+density 1, residual conservation, the result equal to the sum of what every rank had applied,
+checkpoint resume, bad input."""
 import copy
+from fractions import Fraction
 
 import pytest
 import torch
@@ -13,9 +16,10 @@ from hvcomm.torch.methods.memory import ErrorFeedback
 from hvcomm.torch.methods.reducer import Reducer
 from hvcomm.torch.runtime import runtime
 
-from harness import default_dtype, expect_everywhere
-from training import (Net, assert_close, assert_same_everywhere, make_opt, train_distributed,
-                      train_steps)
+import references as ref
+from harness import assert_none_anywhere, default_dtype, expect_everywhere
+from training import (Net, Quadratic, assert_close, assert_same_everywhere, make_opt, mismatches,
+                      train_distributed, train_steps)
 
 C = hvcomm.Compression
 SPARSE = [lambda d: C.topk(d), lambda d: C.gtopk(d), lambda d: C.gtopk(d, scope="model"),
@@ -35,6 +39,53 @@ def test_density_1_equals_dense():
         model, opt = train_distributed(4, compression=make(1.0))
         assert_same_everywhere(model)
         assert_close(model, dense, tol=1e-12)
+
+
+# hvcomm's compressor and the reference's description of it, given the number of ranks P
+# (2-bit's threshold is a multiple of P so that the average of its codes is exact)
+REFERENCED = {
+    "topk-layer-exact": lambda P: (C.topk(0.25, selector="exact"), ref.TopK(0.25)),
+    "topk-model": lambda P: (C.topk(0.25, scope="model"), ref.TopK(0.25, scope="model")),
+    "topk-dgc-warmup": lambda P: (C.topk(0.1, warmup_steps=4), ref.TopK(0.1, warmup_steps=4)),
+    "gtopk-layer": lambda P: (C.gtopk(0.1), ref.TopK(0.1, tree=True)),
+    "gtopk-model": lambda P: (C.gtopk(0.25, scope="model"),
+                              ref.TopK(0.25, scope="model", tree=True)),
+    "randomk-unbiased": lambda P: (C.randomk(0.25, seed=3), ref.RandomK(0.25, seed=3)),
+    "randomk-error_feedback": lambda P: (C.randomk(0.25, seed=3, variant="error_feedback"),
+                                         ref.RandomK(0.25, seed=3, variant="error_feedback")),
+    "twobit": lambda P: (C.twobit(2.0 * P), ref.TwoBit(Fraction(2 * P))),
+}
+SHAPES = {"a": (4, 5), "b": (8,)}
+
+
+@pytest.mark.parametrize("name", list(REFERENCED))
+def test_matches_the_serial_reference(name, steps=6):
+    """Six steps of SGD (momentum, weight decay) on integer-valued gradients: each step's
+    weights and this rank's residuals equal the reference's exactly (ties in |value|
+    abound, so the tie rule is checked too)."""
+    P, r = hvd.size(), hvd.rank()
+    comp, spec = REFERENCED[name](P)
+    sgd = ref.SGD(Fraction(1, 2), Fraction(1, 2), Fraction(1, 4))
+    sim = ref.Simulation(P, SHAPES, sgd, spec)
+    model = Quadratic(SHAPES)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5, weight_decay=0.25),
+        named_parameters=model.named_parameters(), compression=comp)
+    problems = []
+    for s in range(steps):
+        opt.zero_grad()
+        model.loss(r, s, P).backward()
+        opt.step()
+        want = sim.step()
+        residuals = opt.state_dict()["hvcomm"]["residuals_by_param"]
+        for n, p in model.named_parameters():
+            problems += mismatches(f"step {s} weights {n}", p, want.local[r][n])
+            if n in want.residuals[r]:
+                problems += mismatches(f"step {s} residual {n}",
+                                       residuals.get(n, torch.zeros(0)), want.residuals[r][n])
+            elif n in residuals:
+                problems.append(f"step {s}: a residual for {n}, the reference keeps none")
+    assert_none_anywhere(problems)
 
 
 class Halved(hvd.Compressor):

@@ -102,3 +102,46 @@ def train_distributed(steps, sched=False, passes=1, **kw):
             lr_sched.step()
     return model, opt
 
+
+
+class Quadratic(torch.nn.Module):
+    """The model of references.py: float64 parameters of ``shapes`` (initial_weights) and
+    the loss size * sum(c*w + h*w*w/2), whose gradient size * (c + h*w) is exact."""
+
+    def __init__(self, shapes, curved=True, spread=4):
+        super().__init__()
+        self.spread = spread
+        from references import curvature, initial_weights
+        for name, values in initial_weights(shapes).items():
+            w = torch.tensor([float(v) for v in values], dtype=torch.float64)
+            self.register_parameter(name, torch.nn.Parameter(w.reshape(shapes[name])))
+        self.h = {n: torch.tensor(curvature(n, p.numel(), curved), dtype=torch.float64)
+                  .reshape(p.shape) for n, p in self.named_parameters()}
+
+    def loss(self, rank, step, size):
+        from references import coefficients
+        total = 0
+        for name, p in self.named_parameters():
+            c = torch.tensor(coefficients(rank, step, name, p.numel(), self.spread),
+                             dtype=torch.float64)
+            total = total + (size * (c.reshape(p.shape) + 0.5 * self.h[name] * p) * p).sum()
+        return total
+
+
+def mismatches(what, got, want):
+    """Where the float64 tensor ``got`` is not exactly the reference's Fractions ``want``
+    (one line, empty if none); a reference value that float64 cannot hold is named as such
+    (the data would be at fault, not the code)."""
+    from fractions import Fraction
+    from references import exact_float
+    flat = got.detach().reshape(-1).tolist()
+    if len(flat) != len(want):
+        return [f"{what}: {len(flat)} elements, the reference has {len(want)}"]
+    if not all(exact_float(y) for y in want):
+        return [f"{what}: the reference is not exact in float64 (test data too fine)"]
+    bad = [i for i, (x, y) in enumerate(zip(flat, want)) if Fraction(x) != y]
+    if not bad:
+        return []
+    return [f"{what}: {len(bad)} of {len(want)} differ, first at {bad[0]}: "
+            f"{flat[bad[0]]!r} != {float(want[bad[0]])!r} (got {flat}, want "
+            f"{[float(y) for y in want]})"]

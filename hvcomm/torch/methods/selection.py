@@ -1,17 +1,20 @@
-"""Top-k selection of |x| for sparsification: exact, and a fast sampled-threshold selector."""
+"""Top-k selection of |x| for sparsification: exact, and a fast sampled-threshold selector.
+Both keep hvcomm's one tie rule (that of :func:`collectives.select_topk` and of the gTop-k
+tree): of equal magnitudes, the lower index."""
 from __future__ import annotations
 
 from typing import Optional
 
 import numpy as np
 
+import collectives as C
+
 
 def exact_topk(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices (unordered) of the k largest |x| by a full partition."""
+    """Indices (ascending) of the k largest |x| by a full partition; ties: the lower index."""
     if k >= x.size:
         return np.arange(x.size)
-    mag = np.abs(x)
-    return np.argpartition(mag, x.size - k)[x.size - k:]
+    return C.select_topk(x, k)
 
 
 class SampledTopk:
@@ -46,8 +49,8 @@ class SampledTopk:
             thr = np.partition(s, pos)[pos]
             cand = np.flatnonzero(mag >= thr)
             self.last_candidates = cand.size
-            if cand.size >= k:
-                return cand[np.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
+            if cand.size >= k:  # every tie at the k-th magnitude is a candidate, cand ascends
+                return cand[C.select_topk(x[cand], k)]
             want *= 4
         self.fallbacks += 1
         return exact_topk(x, k)
