@@ -88,8 +88,9 @@ def _cast_steps(comm, x, add, ws: Workspace):
 def icast_allreduce(comm: MPI.Comm, x: np.ndarray,
                     add: Callable[[np.ndarray, Workspace], np.ndarray] = sum_pieces) -> Pending:
     """Sum ``x`` over ranks in place, moving ``x.dtype`` on the wire but adding in a wider
-    type: for float16, whose MPI reduction runs ~100x slower than float32's in
-    Open MPI (measured here), and which loses precision when summed in float16.
+    type: for float16, whose MPI reduction runs several times slower than float32's in
+    Open MPI (scripts/bench_collectives.py measures both), and which loses precision when
+    summed in float16.
 
     A reduce-scatter done as one Alltoallv (rank c receives chunk c of every rank and sums
     the P pieces in rank order), then an Allgatherv of the reduced chunks: two MPI

@@ -1,7 +1,8 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
 alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
 each rank sends; and the dense sum in float16 (``icast_allreduce`` with torch's casts, as
-hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's. The sparse
+hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's and beside MPI's own
+float16 Allreduce (which hvcomm.torch does not use). The sparse
 collectives run with their default settings (input check on).
 
 Driver (default): one mpirun per P; prints and writes results/collectives_<net>.md.
@@ -46,6 +47,9 @@ def worker(args) -> None:
             t_half = C.time_collective(
                 comm, lambda: C.icast_allreduce(comm, next(halves), sum_pieces_torch).wait(),
                 args.repeats)
+            half, half_out = grad.astype(np.float16), np.empty(d, np.float16)
+            t_mpi_half = C.time_collective(
+                comm, lambda: comm.Allreduce(half, half_out, op=MPI.SUM), args.repeats)
             res = {"ag": [], "gt": []}
             t_ag = C.time_collective(comm, lambda: res["ag"].append(
                 C.topk_allgather(comm, idx, val, d, k)), args.repeats)
@@ -60,6 +64,7 @@ def worker(args) -> None:
                 "P": p, "d": d, "density": density, "k": k,
                 "dense s": t_dense, "dense model s": C.ring_allreduce_s(p, grad.nbytes, ab),
                 "dense fp16 s": t_half, "fp16 / dense": t_half / t_dense,
+                "MPI's fp16 s": t_mpi_half, "MPI's fp16 / dense": t_mpi_half / t_dense,
                 "allgather s": t_ag, "allgather compute s": compute[0],
                 "allgather model s": C.topk_allgather_s(p, k, pair, ab),
                 "gtopk s": t_gt, "gtopk compute s": compute[1],

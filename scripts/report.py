@@ -41,7 +41,7 @@ def setting(**extra) -> Dict[str, str]:
     base = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit(), "mpi": mpi_library(), "python": platform.python_version(),
             "machine": f"{platform.machine()}, {_cpus()} cores", "cpu": cpu_model(),
-            "torch cpu capability": torch_cpu_capability()}
+            "torch cpu capability": torch_cpu_capability(), "kernels": launch.kernels_in_use()}
     base.update({k: str(v) for k, v in extra.items()})
     return base
 
@@ -64,8 +64,8 @@ def cpu_model() -> str:
 
 def torch_cpu_capability() -> str:
     """The instruction set torch picked its CPU kernels for (DEFAULT, AVX2, AVX512...): the
-    same command gives bitwise the same weights only where this is the same. Set
-    ATEN_CPU_CAPABILITY=default before starting to force the portable kernels."""
+    same command gives bitwise the same weights only where this (and the CPU's maker, for
+    MKL) is the same, unless the job runs launch.PORTABLE_KERNELS."""
     import torch
     return torch.backends.cpu.get_cpu_capability()
 
@@ -117,9 +117,9 @@ def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, net: str 
     return json.loads(out.read_text())
 
 
-def add_net_option(parser) -> None:
+def add_net_option(parser, default: str = "shm") -> None:
     """The ``--net`` option every benchmark takes."""
-    parser.add_argument("--net", default="shm",
+    parser.add_argument("--net", default=default,
                         help="shm (shared memory, one node) or a per-link rate for an emulated "
                              "cluster with one host per rank, e.g. 100mbit, 1gbit, 10gbit")
 

@@ -204,7 +204,8 @@ def main() -> None:
         with torch.no_grad():
             acc = (evaluated(xte).argmax(1) == yte).float().mean().item()
         loss_avg = MPI.COMM_WORLD.allreduce(total_loss / steps) / size
-        history.append({"epoch": epoch + 1, "train_loss": loss_avg, "test_acc": acc})
+        history.append({"epoch": epoch + 1, "train_loss": loss_avg, "test_acc": acc,
+                        "train_time_s": train_time})
         done, total_loss = (epoch + 1) * steps, 0.0
         if rank == 0:
             print(f"[{args.method}] epoch {epoch + 1:3d}/{args.epochs}  loss {loss_avg:.4f}  "

@@ -30,6 +30,26 @@ def find_mpirun() -> str:
     return found
 
 
+# torch and MKL pick their CPU kernels by instruction set (AVX2, AVX-512, Intel or AMD), and
+# kernels for different instruction sets sum in different orders: the same job with the same
+# seeds gives bitwise the same weights on one machine, not across machines. These settings
+# force the kernels every x86 CPU runs (torch's DEFAULT capability; MKL's conditional numerical
+# reproducibility in its "compatible" code path), at some cost in speed, for comparing digests
+# between machines. Export them before the job starts (each rank's torch reads them once):
+# scripts/main_job.py --portable-kernels does; tests/test_reproducible.py checks them.
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+
+
+def kernels_in_use(env: Optional[Dict[str, str]] = None) -> str:
+    """Which kernels a job started with ``env`` (default: this process's) runs, for the record
+    beside its digests."""
+    env = os.environ if env is None else env
+    if all(env.get(k) == v for k, v in PORTABLE_KERNELS.items()):
+        return "portable (" + ", ".join(f"{k}={v}" for k, v in PORTABLE_KERNELS.items()) + ")"
+    return "this machine's (set " + " and ".join(f"{k}={v}" for k, v in PORTABLE_KERNELS.items()) \
+        + " for digests that compare across machines)"
+
+
 def mpi_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """Environment for Open MPI 5 on a small machine: root allowed, yield when idle."""
     env = dict(os.environ)

@@ -302,7 +302,8 @@ class EmulatedCluster:
         return [pid for i in range(self.hosts) for pid in _namespace_pids(self.namespace(i))]
 
 
-_FORWARD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH")
+_FORWARD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH",
+            *launch.PORTABLE_KERNELS)
 
 
 def _raise_interrupt(signum, frame):

@@ -55,8 +55,8 @@ def sum_pieces_torch(pieces: np.ndarray, ws: Workspace) -> np.ndarray:
 
 def sum_in_place(comm: MPI.Comm, buf: np.ndarray) -> None:
     """Sum ``buf`` over the ranks in place. float16 goes over hvcomm's own allreduce
-    (float16 on the wire, float32 additions): Open MPI's float16 sum is about 100x slower
-    than float32's."""
+    (float16 on the wire, float32 additions): Open MPI's own float16 sum is several times
+    slower than its float32 one (scripts/bench_collectives.py)."""
     if buf.dtype == np.float16:
         icast_allreduce(comm, buf, sum_pieces_torch).wait()
     else:
