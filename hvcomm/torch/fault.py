@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import List, Optional
 
@@ -136,6 +137,8 @@ DEADLINE_S = float(os.environ.get("HVCOMM_ELASTIC_DEADLINE_S", 600))
 """How long a recovery may take before the rank gives up: it prints every thread's stack and
 exits 1 (a safety net against a hang in MPI itself). A recovery waits for every survivor to
 reach an hvcomm call: make it longer than the longest stretch without one (an evaluation)."""
+# seconds between the ranks' MPI_Abort calls when an exception escapes outside elastic.run
+ABORT_STAGGER_S = 0.5
 
 
 @contextlib.contextmanager
@@ -195,8 +198,12 @@ def _uncaught(exc_type, exc, tb) -> None:
     if not getattr(exc, "hvcomm_elastic", False):
         sys.stderr.write(f"hvcomm: uncaught exception on rank {rank}; aborting the whole job\n")
         sys.stderr.flush()
-        # MPI_Abort under fault tolerance hung once in many runs when every rank called it:
-        # this rank then ends by itself (exit 1) after 15 s
+        # Under fault tolerance, MPI_Abort called by several ranks at once can leave mpirun
+        # (prterun) hanging after every rank has gone (here 2 of 8 runs of 3 ranks that all
+        # raised, under load): the lower ranks abort first, and rank 0's abort usually ends
+        # the others before they call it (0 of 15 hung with 0.5 s between ranks). A rank whose
+        # MPI_Abort itself hangs ends by itself (exit 1) after 15 s.
+        time.sleep(ABORT_STAGGER_S * min(rank, 8))
         faulthandler.dump_traceback_later(15, exit=True)
         MPI.COMM_WORLD.Abort(1)
     # inside elastic.run: a killed process is reported to the others (an exiting one is not)

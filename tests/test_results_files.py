@@ -1,0 +1,49 @@
+"""Every results file the README names exists and says at which commit its figures were
+measured, and that commit was clean: no ``-dirty`` (uncommitted code) anywhere in it."""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMED = sorted(set(re.findall(r"results/[\w./-]+?\.md\b", (ROOT / "README.md").read_text())))
+COMMIT = re.compile(r"commit[^\n]*?\b([0-9a-f]{7,40})\b")
+
+
+def test_the_readme_names_results_files():
+    assert len(NAMED) >= 10, NAMED  # the pattern still finds them
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_named_results_file_records_a_clean_commit(name):
+    path = ROOT / name
+    assert path.is_file(), f"README.md names {name}, which does not exist"
+    text = path.read_text()
+    header = text.split("\n\n## ", 1)[0][:4000]  # the setting, before the first section
+    commits = COMMIT.findall(header)
+    assert commits, f"{name} does not say at which commit it was measured"
+    dirty = [line for line in text.splitlines() if "-dirty" in line]
+    assert not dirty, f"{name} was measured with uncommitted code: {dirty[:3]}"
+
+
+def _full_history() -> bool:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return out == "false"
+
+
+@pytest.mark.skipif(not _full_history(), reason="needs the repository's full git history")
+@pytest.mark.parametrize("name", NAMED)
+def test_named_results_file_commit_is_in_the_history(name):
+    path = ROOT / name
+    if not path.is_file():
+        pytest.skip(f"{name} is missing (the test above fails for it)")
+    header = path.read_text().split("\n\n## ", 1)[0][:4000]
+    for commit in COMMIT.findall(header):
+        ok = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT,
+                            capture_output=True).returncode == 0
+        assert ok, f"{name} names commit {commit}, which is not in this branch's history"
