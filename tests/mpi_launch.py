@@ -15,16 +15,14 @@ def mpi_env(n: int) -> dict:
     return launch.mpi_env({"HVCOMM_TEST_EXPECT_SIZE": str(n)})
 
 
-def mpirun(n: int, script: str, *args: str, timeout: float = 180, check_ok: bool = True,
-           env: dict = None):
-    """Run ``tests/mpi/<script>`` on n ranks (``env`` on top of the MPI settings). Returns the
-    CompletedProcess.
+def mpirun(n: int, script: str, *args: str, timeout: float = 180, check_ok: bool = True):
+    """Run ``tests/mpi/<script>`` on n ranks. Returns the CompletedProcess.
 
     With ``check_ok`` the run must exit 0 and rank 0 must print ``OK size=<n>``: N
     unconnected one-rank jobs (a wrong mpirun) fail the size check inside the script.
     """
     proc = launch.run(n, [str(HERE / "mpi" / script), *args], timeout=timeout,
-                      env={**(env or {}), "HVCOMM_TEST_EXPECT_SIZE": str(n)})
+                      env={"HVCOMM_TEST_EXPECT_SIZE": str(n)})
     if check_ok:
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{script} on {n} ranks exited {proc.returncode}:\n{out[-6000:]}"

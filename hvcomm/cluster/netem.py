@@ -259,7 +259,10 @@ class EmulatedCluster:
 
     # -- running MPI jobs across the hosts --------------------------------------------------
     def mpirun_cmd(self, argv: Sequence[str], ranks_per_host: int = 1,
-                   fault_tolerant: bool = False) -> List[str]:
+                   fault_tolerant: bool = False,
+                   env: Optional[Dict[str, str]] = None) -> List[str]:
+        """The command line; ``env``: the variables the job adds to this process's (those
+        that must reach every host are passed on with ``-x``)."""
         if self._agent_dir is None:
             raise HvcommError("the emulated cluster is not set up; use it in a with-block")
         agent = str(self._agent_dir / "netns-agent")
@@ -278,8 +281,8 @@ class EmulatedCluster:
         mca += [a for k, v in sorted(self.tcp_mca.items()) for a in ("--mca", k, v)]
         # Open MPI forwards only OMPI_* variables to the other hosts' daemons: add hvcomm's and
         # the thread limits (without OMP_NUM_THREADS=1 torch's OpenMP threads spin on every core)
-        env = launch.mpi_env()
-        mca += [a for k in sorted(env) if k.startswith("HVCOMM_") or k in _FORWARD
+        # and the kernel settings
+        mca += [a for k in sorted(launch.mpi_env(env)) if k.startswith("HVCOMM_") or k in _FORWARD
                 for a in ("-x", k)]
         cmd = launch.mpirun_cmd(self.hosts * ranks_per_host, argv, mca, fault_tolerant)
         return ["ip", "netns", "exec", self.namespace(0), "unshare", "--uts", "sh", "-c",
@@ -288,7 +291,8 @@ class EmulatedCluster:
     def mpirun(self, argv: Sequence[str], ranks_per_host: int = 1, timeout: float = 600,
                env=None, capture: bool = True) -> subprocess.CompletedProcess:
         """Run ``python -m mpi4py ARGV`` with ``ranks_per_host`` ranks on every host."""
-        return subprocess.run(self.mpirun_cmd(argv, ranks_per_host), env=self.mpirun_env(env),
+        return subprocess.run(self.mpirun_cmd(argv, ranks_per_host, env=env),
+                              env=self.mpirun_env(env),
                               timeout=timeout, capture_output=capture, text=True)
 
     def mpirun_env(self, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
