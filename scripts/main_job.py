@@ -16,7 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from hvcomm.cluster.launch import PORTABLE_KERNELS
+from hvcomm.cluster.launch import PORTABLE_KERNELS, kernels_in_use
 import report
 
 SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
@@ -99,8 +99,8 @@ def write_report(name, args, label, results) -> None:
         to_accuracy = f"not measured: {DENSE} was not among the methods run"
     else:
         to_accuracy = (f"training time until the test accuracy (checked after every epoch) "
-                       f"first reached {target:.4f}: {DENSE}'s final {target + ACCURACY_MARGIN:.4f} "
-                       f"less {ACCURACY_MARGIN * 100:g} points")
+                       f"first reached {target:.4f}: {DENSE}'s final "
+                       f"{target + ACCURACY_MARGIN:.4f} less {ACCURACY_MARGIN * 100:g} points")
     per_epoch = [{"epoch": e + 1, **{r["method"]: f"{r['history'][e]['test_acc']:.4f}"
                                      for r in results}} for e in range(args.epochs)]
     text = report.table(rows)
@@ -163,9 +163,8 @@ def main() -> None:
                          "the two runs' accuracies and final weights "
                          "(results/<name>_reproducibility.md)")
     ap.add_argument("--portable-kernels", action="store_true",
-                    help="run torch's and MKL's portable kernels ("
-                    + ", ".join(f"{k}={v}" for k, v in PORTABLE_KERNELS.items())
-                    + "): slower, but the final weights' digests then compare across CPUs")
+                    help=f"run torch's and MKL's {kernels_in_use(PORTABLE_KERNELS)} kernels: "
+                    "slower, but the final weights' digests then compare across CPUs")
     report.add_net_option(ap, default="1gbit")
     args = ap.parse_args()
     net, label = report.resolve_net(args.net)

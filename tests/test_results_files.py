@@ -11,6 +11,11 @@ NAMED = sorted(set(re.findall(r"results/[\w./-]+?\.md\b", (ROOT / "README.md").r
 COMMIT = re.compile(r"commit[^\n]*?\b([0-9a-f]{7,40})\b")
 
 
+def header_commits(text: str) -> list:
+    """The commits a results file's setting names (before its first section)."""
+    return COMMIT.findall(text.split("\n\n## ", 1)[0][:4000])
+
+
 def test_the_readme_names_results_files():
     assert len(NAMED) >= 10, NAMED  # the pattern still finds them
 
@@ -20,9 +25,7 @@ def test_named_results_file_records_a_clean_commit(name):
     path = ROOT / name
     assert path.is_file(), f"README.md names {name}, which does not exist"
     text = path.read_text()
-    header = text.split("\n\n## ", 1)[0][:4000]  # the setting, before the first section
-    commits = COMMIT.findall(header)
-    assert commits, f"{name} does not say at which commit it was measured"
+    assert header_commits(text), f"{name} does not say at which commit it was measured"
     dirty = [line for line in text.splitlines() if "-dirty" in line]
     assert not dirty, f"{name} was measured with uncommitted code: {dirty[:3]}"
 
@@ -42,8 +45,7 @@ def test_named_results_file_commit_is_in_the_history(name):
     path = ROOT / name
     if not path.is_file():
         pytest.skip(f"{name} is missing (the test above fails for it)")
-    header = path.read_text().split("\n\n## ", 1)[0][:4000]
-    for commit in COMMIT.findall(header):
+    for commit in header_commits(path.read_text()):
         ok = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT,
                             capture_output=True).returncode == 0
         assert ok, f"{name} names commit {commit}, which is not in this branch's history"

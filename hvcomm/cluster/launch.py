@@ -44,10 +44,10 @@ def kernels_in_use(env: Optional[Dict[str, str]] = None) -> str:
     """Which kernels a job started with ``env`` (default: this process's) runs, for the record
     beside its digests."""
     env = os.environ if env is None else env
+    settings = [f"{k}={v}" for k, v in PORTABLE_KERNELS.items()]
     if all(env.get(k) == v for k, v in PORTABLE_KERNELS.items()):
-        return "portable (" + ", ".join(f"{k}={v}" for k, v in PORTABLE_KERNELS.items()) + ")"
-    return "this machine's (set " + " and ".join(f"{k}={v}" for k, v in PORTABLE_KERNELS.items()) \
-        + " for digests that compare across machines)"
+        return f"portable ({', '.join(settings)})"
+    return f"this machine's (set {' and '.join(settings)} for digests that compare across machines)"
 
 
 def mpi_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -14,8 +14,8 @@ import hvcomm.torch as hvd
 
 import references as ref
 from harness import assert_none_anywhere, default_dtype, expect_everywhere
-from training import (Net, Quadratic, assert_close, assert_same_everywhere, data, loss_fn,
-                      make_opt, mismatches, shard, train_serial)
+from training import (QUADRATIC_SGD, Net, assert_close, assert_same_everywhere,
+                      build_quadratic, data, loss_fn, make_opt, mismatches, shard, train_serial)
 
 STEPS = 8
 MODES = {
@@ -155,14 +155,6 @@ REFERENCED = {
 SHAPES = {"a": (2, 3), "b": (4,)}
 
 
-def build_quadratic(data, **kw):
-    model = Quadratic(SHAPES, **data)
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5, weight_decay=0.25),
-        named_parameters=model.named_parameters(), **kw)
-    return model, opt
-
-
 UNSETTLED = ("under delay=, state_dict() waits for the step in flight and settles what its "
              "compressor settles after the collective ({}) before the next step's gradient is "
              "compensated, one step earlier than a run that does not save: a run that saves "
@@ -183,9 +175,8 @@ def test_matches_the_serial_reference(name, reload_at, steps=9):
     and global weights W equal the reference's exactly (the residuals at the reload)."""
     P, r = hvd.size(), hvd.rank()
     kw, spec, comp, data = REFERENCED[name](P)
-    sgd = ref.SGD(Q(1, 2), Q(1, 2), Q(1, 4))
-    sim = ref.Simulation(P, SHAPES, sgd, comp, spec, **data)
-    model, opt = build_quadratic(data, **kw)
+    sim = ref.Simulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), comp, spec, **data)
+    model, opt = build_quadratic(SHAPES, data, **kw)
     problems = []
 
     def compare(when, want):
@@ -199,7 +190,7 @@ def test_matches_the_serial_reference(name, reload_at, steps=9):
             residuals = state["hvcomm"]["residuals_by_param"]
             for n, want in sim.snapshot().residuals[r].items():
                 problems.extend(mismatches(f"step {s}: residual {n}", residuals[n], want))
-            model, opt = build_quadratic(data, **kw)
+            model, opt = build_quadratic(SHAPES, data, **kw)
             model.load_state_dict(weights)
             opt.load_state_dict(state)
         opt.zero_grad()

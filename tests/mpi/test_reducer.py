@@ -18,8 +18,8 @@ from hvcomm.torch.runtime import runtime
 
 import references as ref
 from harness import assert_none_anywhere, default_dtype, expect_everywhere
-from training import (Net, Quadratic, assert_close, assert_same_everywhere, make_opt, mismatches,
-                      train_distributed, train_steps)
+from training import (QUADRATIC_SGD, Net, assert_close, assert_same_everywhere,
+                      build_quadratic, make_opt, mismatches, train_distributed, train_steps)
 
 C = hvcomm.Compression
 SPARSE = [lambda d: C.topk(d), lambda d: C.gtopk(d), lambda d: C.gtopk(d, scope="model"),
@@ -65,12 +65,8 @@ def test_matches_the_serial_reference(name, steps=6):
     abound, so the tie rule is checked too)."""
     P, r = hvd.size(), hvd.rank()
     comp, spec = REFERENCED[name](P)
-    sgd = ref.SGD(Fraction(1, 2), Fraction(1, 2), Fraction(1, 4))
-    sim = ref.Simulation(P, SHAPES, sgd, spec)
-    model = Quadratic(SHAPES)
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5, weight_decay=0.25),
-        named_parameters=model.named_parameters(), compression=comp)
+    sim = ref.Simulation(P, SHAPES, ref.SGD(*map(Fraction, QUADRATIC_SGD)), spec)
+    model, opt = build_quadratic(SHAPES, compression=comp)
     problems = []
     for s in range(steps):
         opt.zero_grad()

@@ -103,7 +103,6 @@ def train_distributed(steps, sched=False, passes=1, **kw):
     return model, opt
 
 
-
 class Quadratic(torch.nn.Module):
     """The model of references.py: float64 parameters of ``shapes`` (initial_weights) and
     the loss size * sum(c*w + h*w*w/2), whose gradient size * (c + h*w) is exact."""
@@ -126,6 +125,22 @@ class Quadratic(torch.nn.Module):
                              dtype=torch.float64)
             total = total + (size * (c.reshape(p.shape) + 0.5 * self.h[name] * p) * p).sum()
         return total
+
+
+# The SGD of the reference tests, on both sides (lr, momentum, weight decay): exact in float64
+QUADRATIC_SGD = (0.5, 0.5, 0.25)
+
+
+def build_quadratic(shapes, data=None, **kw):
+    """A Quadratic of ``shapes`` (``data``: its keyword arguments) and a DistributedOptimizer
+    (``kw``) over torch's SGD with QUADRATIC_SGD; the reference's SGD is
+    ``references.SGD(*map(Fraction, QUADRATIC_SGD))``."""
+    lr, momentum, weight_decay = QUADRATIC_SGD
+    model = Quadratic(shapes, **(data or {}))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay),
+        named_parameters=model.named_parameters(), **kw)
+    return model, opt
 
 
 def mismatches(what, got, want):
