@@ -199,10 +199,9 @@ def _uncaught(exc_type, exc, tb) -> None:
         sys.stderr.write(f"hvcomm: uncaught exception on rank {rank}; aborting the whole job\n")
         sys.stderr.flush()
         # Under fault tolerance, MPI_Abort called by several ranks at once can leave mpirun
-        # (prterun) hanging after every rank has gone (here 2 of 8 runs of 3 ranks that all
-        # raised, under load): the lower ranks abort first, and rank 0's abort usually ends
-        # the others before they call it (0 of 15 hung with 0.5 s between ranks). A rank whose
-        # MPI_Abort itself hangs ends by itself (exit 1) after 15 s.
+        # (prterun) hanging after every rank has gone: the lower ranks abort first, and rank
+        # 0's abort usually ends the others before they call it (results/abort_under_ft.md).
+        # A rank whose MPI_Abort itself hangs ends by itself (exit 1) after 15 s.
         time.sleep(ABORT_STAGGER_S * min(rank, 8))
         faulthandler.dump_traceback_later(15, exit=True)
         MPI.COMM_WORLD.Abort(1)
