@@ -1,5 +1,5 @@
-"""Torch-free MPI collectives over NumPy buffers: sparse (gTop-k, Top-k AllGather), dense and
-merged allreduce, and their alpha-beta cost model. No globals, nothing happens at import.
+"""Torch-free MPI collectives over NumPy buffers: sparse (gTop-k, Top-k AllGather), dense (Open
+MPI's, and hvcomm's pipelined ring) and merged allreduce, and their alpha-beta cost model. No globals, nothing happens at import.
 
 Each name below is imported from its submodule on first access (PEP 562), so that
 ``import collectives`` and its pure parts (``errors``, ``plans``, ``cost``'s formulas,
@@ -52,6 +52,7 @@ __all__ = lazy_names(__name__, globals(), {
                 "raise_together"),
     ".handle": ("Pending",),
     ".merged": ("BucketPlan", "imerged_allreduce", "merged_allreduce"),
+    ".ring": ("allreduce_sum", "iallreduce_sum", "iring_allreduce", "ring_allreduce"),
     ".sparse": ("SparseResult", "gtopk_allreduce", "igtopk_allreduce", "index_dtype",
                 "itopk_allgather", "merge_select", "select_topk", "topk_allgather"),
 })

@@ -1,6 +1,6 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
 alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
-each rank sends; and the dense sum in float16 (``icast_allreduce`` with torch's casts, as
+each rank sends; and the dense sum in float16 (``hvcomm.torch.ops.sum_in_place``, as
 hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's and beside MPI's own
 float16 Allreduce (which hvcomm.torch does not use). The sparse
 collectives run with their default settings (input check on).
@@ -24,7 +24,9 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import collectives as C
-    from hvcomm.torch.ops import sum_pieces_torch
+    import torch
+
+    from hvcomm.torch.ops import sum_in_place
 
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
@@ -43,10 +45,10 @@ def worker(args) -> None:
                 comm, lambda: C.allreduce(comm, grad, out, check=False), args.repeats)
             # summed in place as hvcomm.torch sums it (torch's casts), a fresh copy per call
             # made before the clock starts
-            halves = iter([grad.astype(np.float16) for _ in range(args.repeats + 1)])
-            t_half = C.time_collective(
-                comm, lambda: C.icast_allreduce(comm, next(halves), sum_pieces_torch).wait(),
-                args.repeats)
+            halves = iter([torch.from_numpy(grad.astype(np.float16))
+                           for _ in range(args.repeats + 1)])
+            t_half = C.time_collective(comm, lambda: sum_in_place(comm, next(halves)),
+                                       args.repeats)
             half, half_out = grad.astype(np.float16), np.empty(d, np.float16)
             t_mpi_half = C.time_collective(
                 comm, lambda: comm.Allreduce(half, half_out, op=MPI.SUM), args.repeats)

@@ -111,10 +111,8 @@ class Allreduce(Collective):
 
     def run(self, comm, payload):
         from ..ops import sum_in_place
-        from .buckets import as_numpy
-        buf = as_numpy(payload.data)
-        sum_in_place(comm, buf)
-        return payload.data, ring_bytes(comm, buf.nbytes)
+        sum_in_place(comm, payload.data)
+        return payload.data, ring_bytes(comm, payload.nbytes)
 
 
 class Adasum(Collective):
@@ -224,7 +222,8 @@ def check_scope(scope: str) -> str:
 def float_problem(dtypes, name: str) -> Optional[str]:
     bad = sorted({str(d) for d in dtypes} - {"torch.float32", "torch.float64"})
     if bad:
-        return f"{name} needs float32 or float64 gradients, got {bad}"
+        return (f"{name} needs float32 or float64 gradients, got {bad}; for 16-bit "
+                "gradients use Compression.none or Compression.fp16 (bfloat16 travels as it is)")
     return None
 
 

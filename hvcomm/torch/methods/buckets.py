@@ -115,6 +115,6 @@ def split(flat: torch.Tensor, numels: Sequence[int]) -> Iterator[Tuple[int, torc
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view of a contiguous CPU tensor (clear error for what NumPy cannot hold)."""
     if tensor.dtype == torch.bfloat16:
-        raise HvcommError("bfloat16 tensors cannot be communicated by hvcomm; use float32 "
-                          "(or compression=Compression.fp16)")
+        raise HvcommError("bfloat16 tensors cannot be viewed by NumPy: sum them with "
+                          "hvcomm.torch.ops.sum_in_place, move them with ops.as_bits")
     return tensor.detach().numpy()

@@ -1,5 +1,7 @@
-"""float16 on the wire (Horovod's ``Compression.fp16``): half the bytes; the sums are added in
-float32 and rounded to float16 once (:func:`collectives.dense.icast_allreduce`)."""
+"""16 bits on the wire (Horovod's ``Compression.fp16``): float32 and float64 gradients travel as
+float16; float16 and bfloat16 gradients travel as they are (bfloat16 is not cast to float16,
+whose range is far smaller). Each addition of the sum is formed in float32 and rounded to the
+16-bit type once (:mod:`collectives.ring`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +14,10 @@ from .threshold import plan_threshold
 
 
 class FP16Compressor(Compressor):
-    """Sends floating-point tensors as float16."""
+    """Sends floating-point tensors as 16 bits: float16, or bfloat16 as it is."""
 
     def encode(self, tensor, step=0, key="", shapes=(), names=()):
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+        if tensor.dtype in (torch.float32, torch.float64):
             return Payload(tensor.to(torch.float16), tensor.numel(), tensor.dtype)
         return Payload(tensor, tensor.numel(), tensor.dtype)
 

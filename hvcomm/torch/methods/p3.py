@@ -341,6 +341,9 @@ class P3Schedule(ScheduleMethod):
                     "compression=Compression.none or a merging schedule such as 'mgwfbp'")
         if not isinstance(o.slice_elems, int) or o.slice_elems < 1:
             return f"slice_elems must be a positive integer, got {o.slice_elems!r}"
+        if any(p.dtype == torch.bfloat16 for p in params):
+            return ("schedule='p3' cannot send bfloat16 gradients; use a merging schedule "
+                    "such as 'mgwfbp', or none")
         if o.model is not None:
             if not isinstance(o.model, torch.nn.Module):
                 return f"model must be a torch.nn.Module, got {type(o.model).__name__}"

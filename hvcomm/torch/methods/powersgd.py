@@ -88,6 +88,14 @@ class LowRankSum:
     qs: List[torch.Tensor]
     dense: torch.Tensor
     size: int
+    _products: Optional[List[torch.Tensor]] = None
+
+    def products(self) -> List[torch.Tensor]:
+        """Each matrix's P Q^T (the sum's approximation), formed once for the residual and
+        the decoded gradient."""
+        if self._products is None:
+            self._products = [p @ q.T for p, q in zip(self.ps, self.qs)]
+        return self._products
 
 
 class PowerIteration(Collective):
@@ -97,10 +105,9 @@ class PowerIteration(Collective):
 
     def run(self, comm, payload):
         from ..ops import sum_in_place
-        from .buckets import as_numpy
         mats = payload.matrices
         first = torch.cat([(x.M @ x.Q).reshape(-1) for x in mats] + [payload.data])
-        sum_in_place(comm, as_numpy(first))
+        sum_in_place(comm, first)
         sent = ring_bytes(comm, first.nbytes)
         ps, at = [], 0
         for x in mats:
@@ -111,7 +118,7 @@ class PowerIteration(Collective):
         second = torch.cat([(x.M.T @ p).reshape(-1) for x, p in zip(mats, ps)]
                            or [first.new_zeros(0)])
         if second.numel():
-            sum_in_place(comm, as_numpy(second))
+            sum_in_place(comm, second)
             sent += ring_bytes(comm, second.nbytes)
         qs, at = [], 0
         for x in mats:
@@ -165,9 +172,9 @@ class PowerSGDCompressor(Compressor):
         return LowRankPayload(values, flat.numel(), flat.dtype, matrices=matrices, dense=dense)
 
     def decode(self, result, payload):
-        out = torch.zeros(payload.numel, dtype=payload.dtype)
-        for x, p, q in zip(payload.matrices, result.ps, result.qs):
-            out[x.offset:x.offset + x.n * x.m] = (p @ q.T).reshape(-1)
+        out = torch.empty(payload.numel, dtype=payload.dtype)  # every element written below
+        for x, pq in zip(payload.matrices, result.products()):
+            out[x.offset:x.offset + x.n * x.m] = pq.reshape(-1)
         at = 0
         for offset, numel in payload.dense:
             out[offset:offset + numel] = result.dense[at:at + numel]
@@ -181,8 +188,9 @@ class PowerSGDCompressor(Compressor):
 
     def settle(self, residual, payload, result):
         flat = residual.view(-1)
-        for x, p, q in zip(payload.matrices, result.ps, result.qs):
-            flat[x.offset:x.offset + x.n * x.m] += (x.M - p @ q.T / result.size).reshape(-1)
+        for x, q, pq in zip(payload.matrices, result.qs, result.products()):
+            kept = torch.div(pq, result.size)
+            flat[x.offset:x.offset + x.n * x.m] += torch.sub(x.M, kept, out=kept).reshape(-1)
             zero = bool((q.norm(dim=0) == 0).any())  # the same on every rank: q is a sum
             self._q[x.name] = self._first_q(x.name, x.m, q.shape[1], q.dtype) if zero \
                 else q.clone()

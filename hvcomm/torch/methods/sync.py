@@ -89,13 +89,14 @@ class Synchronous(Strategy):
         Sets ``comm_stats`` and ``comm_end``."""
         stats, out, comm_end = CommStats(), [], 0.0
         for bucket, job in launched:
-            flat, sent, payload_bytes = job.finish()
+            flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own
             comm_end = max(comm_end, job.handle.finished_at)
             stats.add(sent, payload_bytes)
+            if self.scale != 1.0:
+                flat.mul_(self.scale)
             for j, part in split(flat, bucket.numels):
                 i = bucket.indices[j]
-                part = part.view_as(self.params[i])
-                out.append((i, part * self.scale if self.scale != 1.0 else part))
+                out.append((i, part.view_as(self.params[i])))
         self.comm_stats, self.comm_end = stats, comm_end
         return out
 

@@ -1,0 +1,244 @@
+"""hvcomm's own dense allreduce: a pipelined ring over non-blocking point-to-point messages.
+
+The sum is a ring reduce-scatter followed by a ring allgather, 2(P-1) steps in all. The flat
+array is cut into P segments; at step s rank r receives segment (r - s - 1) mod P from rank
+r - 1 (both phases alike): in the first P - 1 steps it adds what arrives into its own copy,
+after which it holds segment r + 1 summed over every rank; in the last P - 1 it receives the
+finished segments in place. Each rank sends to r + 1 and receives from r - 1: every link
+carries 2(P-1)/P of the array each way, the bandwidth bound.
+
+Each segment travels in chunks of ``chunk_bytes``. A chunk is forwarded as soon as it has
+been added (or, in the allgather, has arrived), so the reduction of one chunk overlaps the
+transfer of the next and a step starts before the previous one has finished; the received
+chunks are added in place from a reused workspace.
+
+16-bit floats (float16, and bfloat16 held as its raw bits in uint16) travel as 16 bits; each
+addition is formed in float32 and rounded back once, so segment c's sum is the serial one
+``x[c+1] + x[c] -> x[c+2] + that -> ...`` with one rounding per hop. Small messages go to Open
+MPI's own allreduce (:func:`use_ring`), 16-bit ones widened to float32 there.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import kernels
+from .errors import HvcommError, check_agree
+from .handle import Pending, completed
+from .workspace import Workspace, pooled
+
+RING_TAG = 7411
+CHUNK_BYTES = 1 << 20
+# Below this many bytes Open MPI's own allreduce is at least as fast as the ring (latency:
+# 2(P-1) rounds of messages); measured by scripts/bench_collectives.py --ring on shared memory
+# and emulated 1 and 10 Gbit/s (results/ring_crossover.md). HVCOMM_RING_MIN_BYTES overrides.
+RING_MIN_BYTES = 1 << 18
+
+FLOAT16, BFLOAT16 = "float16", "bfloat16"
+_DTYPES = {np.dtype(np.float32): np.dtype(np.float32), np.dtype(np.float64): np.dtype(np.float64),
+           np.dtype(np.float16): FLOAT16}
+
+# add(dst, src, ws): dst += src in place, for dst's kind of element
+Add = Callable[[np.ndarray, np.ndarray, Workspace], None]
+
+
+def kind_of(array: np.ndarray, bfloat16: bool) -> Optional[object]:
+    """The element kind the ring sums (a NumPy dtype, or FLOAT16 / BFLOAT16 for 16-bit bits),
+    None if it sums no such array."""
+    if bfloat16:
+        return BFLOAT16 if array.dtype == np.uint16 else None
+    return _DTYPES.get(array.dtype)
+
+
+def numpy_add(kind) -> Add:
+    """The torch-free addition for ``kind``: NumPy for float32/64, :mod:`kernels` for the
+    16-bit kinds (float32 sums rounded once)."""
+    if kind in (FLOAT16, BFLOAT16):
+        brain = kind == BFLOAT16
+
+        def add16(dst, src, ws):
+            wide = ws.get("wide", 2 * dst.size, np.uint32)
+            kernels.add16(dst.view(np.uint16), src.view(np.uint16), wide[:dst.size],
+                          wide[dst.size:], brain)
+        return add16
+
+    def add(dst, src, ws):
+        np.add(dst, src, out=dst)
+    return add
+
+
+def ring_min_bytes() -> int:
+    """The size from which :func:`use_ring` picks the ring (HVCOMM_RING_MIN_BYTES or the
+    measured default)."""
+    text = os.environ.get("HVCOMM_RING_MIN_BYTES")
+    if text is None:
+        return RING_MIN_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise HvcommError(f"HVCOMM_RING_MIN_BYTES must be a byte count >= 0, got {text!r}")
+    return value
+
+
+def use_ring(nbytes: int, size: int) -> bool:
+    """Whether a sum of ``nbytes`` over ``size`` ranks goes over the ring."""
+    return size > 1 and nbytes >= ring_min_bytes()
+
+
+@functools.lru_cache(maxsize=256)
+def segments(n: int, p: int):
+    """(offsets, counts) of the P segments of n elements: the first n mod P one longer."""
+    counts = [n // p + (q < n % p) for q in range(p)]
+    offsets = [sum(counts[:q]) for q in range(p)]
+    return offsets, counts
+
+
+def _chunks(offset: int, count: int, per: int):
+    return [(s, min(per, offset + count - s)) for s in range(offset, offset + count, per)]
+
+
+def _ring_steps(comm, x, add: Add, per: int, tag: int, ws: Workspace):
+    flat = x.reshape(-1)  # a view: x is C-contiguous
+    p, r = comm.Get_size(), comm.Get_rank()
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    offsets, counts = segments(flat.size, p)
+    steps = 2 * (p - 1)
+
+    def chunks(s):  # the chunks of the segment received at step s (sent at step s + 1)
+        seg = (r - s - 1) % p
+        return _chunks(offsets[seg], counts[seg], per)
+
+    inbox = ws.get("inbox", max(counts), flat.dtype)
+    sends = {}  # flat offset -> the send that reads it (the allgather overwrites it later)
+
+    def send(start, n):
+        sends[start] = comm.Isend(flat[start:start + n], dest=nxt, tag=tag)
+
+    def post_recv(s, j):  # step s's chunk j: into the inbox to be added, or in place
+        start, n = chunks(s)[j]
+        if s < p - 1:
+            at = start - offsets[(r - s - 1) % p]
+            return comm.Irecv(inbox[at:at + n], source=prv, tag=tag)
+        return comm.Irecv(flat[start:start + n], source=prv, tag=tag)
+
+    for start, n in _chunks(offsets[r], counts[r], per):  # step 0 sends this rank's segment
+        send(start, n)
+    pending = [post_recv(0, j) for j in range(len(chunks(0)))]
+    for s in range(steps):
+        mine, seg_start = chunks(s), offsets[(r - s - 1) % p]
+        following = chunks(s + 1) if s + 1 < steps else []
+        for j, (start, n) in enumerate(mine):
+            yield [pending[j]]
+            if s < p - 1:
+                add(flat[start:start + n], inbox[start - seg_start:start - seg_start + n], ws)
+            if s + 1 < steps:
+                send(start, n)  # this chunk is step s + 1's
+                if j < len(following):  # the receive that takes its place, in step order
+                    yield from _free(sends, following[j][0], s + 1 >= p - 1)
+                    pending[j] = post_recv(s + 1, j)
+        for j in range(len(mine), len(following)):  # a longer next segment's extra chunk
+            yield from _free(sends, following[j][0], s + 1 >= p - 1)
+            pending.append(post_recv(s + 1, j))
+        del pending[len(following):]
+    yield list(sends.values())
+    return x
+
+
+def _free(sends, start, in_place):
+    """Before receiving in place over ``start``, the send that reads it must be complete."""
+    old = sends.pop(start, None) if in_place else None
+    if old is not None:
+        yield [old]
+
+
+def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str):
+    """The kind ``array`` is summed as; raises HvcommError (on every rank with ``check``,
+    which also makes the ranks agree on its size and kind) if it cannot be."""
+    kind = kind_of(array, bfloat16) if isinstance(array, np.ndarray) else None
+    if not isinstance(array, np.ndarray):
+        err = f"expected a numpy array, got {type(array).__name__}"
+    elif not array.flags.c_contiguous:
+        err = "array must be contiguous (use np.ascontiguousarray)"
+    elif kind is None and bfloat16:
+        err = f"bfloat16=True takes uint16 arrays holding bfloat16 bits, got {array.dtype}"
+    elif kind is None:
+        err = (f"cannot sum {array.dtype} arrays: use float32, float64, float16, or uint16 "
+               "holding bfloat16 bits with bfloat16=True")
+    else:
+        err = None
+    if check:
+        check_agree(comm, None if err else (array.size, str(kind)), what, err)
+    elif err:
+        raise HvcommError(f"{what}: {err}")
+    return kind
+
+
+def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional[Add] = None,
+                    chunk_bytes: int = CHUNK_BYTES, tag: int = RING_TAG,
+                    check: bool = True) -> Pending:
+    """Start summing ``x`` over the ranks of ``comm`` in place, over the ring (whatever its
+    size; see :func:`iallreduce_sum` for the choice of ring or Open MPI); ``wait()`` returns
+    ``x``. Every rank ends with the same values.
+
+    ``x``: C-contiguous float32, float64 or float16, or uint16 holding bfloat16 bits with
+    ``bfloat16=True``; any shape (the ring runs over its flat view). ``add(dst, src, ws)``:
+    the in-place addition (default :func:`numpy_add`; hvcomm.torch passes torch's, several
+    times faster for 16-bit). ``chunk_bytes``: the pipeline's unit. Calls in flight together
+    on one communicator need distinct tags. ``check``: the ranks first agree (one small
+    allgather) that they pass the same size and kind, else every rank raises HvcommError.
+
+    Cost: 2(P-1) chunk latencies to fill the pipeline, 2(P-1)/P * bytes on every link.
+    """
+    kind = _checked_kind(comm, x, bfloat16, check, "ring allreduce")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise HvcommError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    if comm.Get_size() == 1 or x.size == 0:
+        return completed(x)
+    per = max(1, chunk_bytes // x.itemsize)
+    return Pending(pooled(_ring_steps, comm, x, add or numpy_add(kind), per, tag))
+
+
+def ring_allreduce(comm, x: np.ndarray, **kw) -> np.ndarray:
+    """Blocking :func:`iring_allreduce`."""
+    return iring_allreduce(comm, x, **kw).wait()
+
+
+def _widened_steps(comm, x, brain: bool, ws: Workspace):
+    from mpi4py import MPI
+    flat16 = x.reshape(-1).view(np.uint16)
+    wide = ws.get("widened", flat16.size, np.uint32)
+    kernels.widen16(flat16, wide, brain)
+    yield [comm.Iallreduce(MPI.IN_PLACE, wide.view(np.float32), op=MPI.SUM)]
+    kernels.narrow16(wide, flat16, brain)
+    return x
+
+
+def iallreduce_sum(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional[Add] = None,
+                   tag: int = RING_TAG, check: bool = True) -> Pending:
+    """Start summing ``x`` in place: over the ring from :func:`ring_min_bytes` bytes, else
+    over Open MPI's allreduce (16-bit kinds widened to float32 for it and rounded back once).
+    The arguments are :func:`iring_allreduce`'s."""
+    if isinstance(x, np.ndarray) and use_ring(x.nbytes, comm.Get_size()):
+        return iring_allreduce(comm, x, bfloat16=bfloat16, add=add, tag=tag, check=check)
+    kind = _checked_kind(comm, x, bfloat16, check, "allreduce")
+    if comm.Get_size() == 1 or x.size == 0:
+        return completed(x)
+    if kind in (FLOAT16, BFLOAT16):
+        return Pending(pooled(_widened_steps, comm, x, kind == BFLOAT16))
+    return Pending(_in_place_steps(comm, x))
+
+
+def _in_place_steps(comm, x):
+    from mpi4py import MPI
+    yield [comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM)]
+    return x
+
+
+def allreduce_sum(comm, x: np.ndarray, **kw) -> np.ndarray:
+    """Blocking :func:`iallreduce_sum`."""
+    return iallreduce_sum(comm, x, **kw).wait()

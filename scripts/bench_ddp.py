@@ -1,0 +1,249 @@
+"""hvcomm against PyTorch DDP (gloo), the same model on the same hosts in the same job.
+
+Every rank runs both: hvcomm's ``DistributedOptimizer`` over MPI, and
+``DistributedDataParallel`` over a gloo process group on the same hosts and the same threads
+(``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). Each method is timed in alternating runs,
+hvcomm's and DDP's in turn, each run on a fresh model from the same seed; a run's figure is
+the median step (the slowest rank's) after warm-up, and a row gives the median over runs.
+
+Methods, as a new user of each would pick them:
+
+- dense: ``Compression.none``; DDP with its default 25 MiB buckets;
+- fp16: ``Compression.fp16``; DDP's ``fp16_compress_hook``;
+- PowerSGD rank 4: ``Compression.powersgd(rank=4)``; DDP's ``powerSGD_hook`` at rank 4 (error
+  feedback and warm start, compressing from its second step) on a single bucket: with several
+  buckets, DDP's hook on gloo fails with a collective mismatch or deadlocks as soon as two
+  buckets' hooks run at once (torch 2.13, CPU), so DDP's PowerSGD is measured as it works.
+
+Beside each row: the communication bound, the ring's 2(P-1)/P of the bytes each rank sends on
+one link of the emulated rate (the emulated links add no latency), and the step's computation
+alone (forward, backward and SGD update of the same model without communication).
+
+Driver (default): one mpirun per (network, P); writes results/ddp.md. Worker: --worker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import report
+
+WIDTH, LAYERS = 1600, 10  # 10 x (1600*1600 + 1600) = 25.6M parameters, 102 MB of float32
+METHODS = ("dense", "fp16", "powersgd")
+RANK = 4
+
+
+def _model():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def _wire_bytes(method: str) -> int:
+    """Bytes one rank's allreduces carry per step (before the ring's 2(P-1)/P)."""
+    params = LAYERS * (WIDTH * WIDTH + WIDTH)
+    if method == "dense":
+        return 4 * params
+    if method == "fp16":
+        return 2 * params
+    factors = LAYERS * (WIDTH + WIDTH) * RANK  # P (n x r) and Q (m x r) per weight matrix
+    return 4 * (factors + LAYERS * WIDTH)      # and the biases, dense
+
+
+def _time_steps(comm, step, x, steps: int):
+    from mpi4py import MPI
+    times = []
+    for _ in range(steps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        step(x)
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return times
+
+
+def _hvcomm_run(hvd, method: str):
+    import torch
+    model = _model()
+    compression = {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+                   "powersgd": hvd.Compression.powersgd(rank=RANK)}[method]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+
+    def step(x):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return step, lambda: opt.close() if hasattr(opt, "close") else None
+
+
+def _ddp_run(method: str):
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _model()
+    if method == "powersgd":  # one bucket: the hook fails on gloo with several
+        ddp = DDP(model, bucket_cap_mb=1024)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
+                                   start_powerSGD_iter=2, use_error_feedback=True,
+                                   warm_start=True)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    else:
+        ddp = DDP(model)
+        if method == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+    def step(x):
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+    return step, lambda: None
+
+
+def _compute_only():
+    import torch
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(x):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return step
+
+
+def worker(args) -> None:
+    from mpi4py import MPI
+    import torch
+    import torch.distributed as dist
+    import hvcomm.torch as hvd
+
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    hvd.init()
+    if args.net == "shm":
+        addr, iface = "127.0.0.1", "lo"
+    else:  # an emulated host: its hostname is its address, its link eth0
+        addr, iface = socket.gethostname(), "eth0"
+    os.environ["GLOO_SOCKET_IFNAME"] = iface
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    addr, port = comm.bcast((addr, port))
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    x = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(1 + comm.rank))
+    steps = args.warmup + args.iters
+    compute = _time_steps(comm, _compute_only(), x, steps)[args.warmup:]
+    runs = {f"{tool} {m}": [] for m in args.methods for tool in ("hvcomm", "DDP")}
+    for _ in range(args.repeats):
+        for method in args.methods:
+            for tool in ("hvcomm", "DDP"):
+                step, close = _hvcomm_run(hvd, method) if tool == "hvcomm" else _ddp_run(method)
+                times = _time_steps(comm, step, x, steps)[args.warmup:]
+                close()
+                runs[f"{tool} {method}"].append(statistics.median(times))
+                del step
+    dist.destroy_process_group()
+    if comm.Get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"runs": runs,
+                                              "compute_s": statistics.median(compute)}))
+
+
+def bound_s(method: str, p: int, net: str):
+    """The ring's transfer time of the method's bytes on one link, None on shared memory."""
+    if net == "shm":
+        return None
+    return 2 * (p - 1) / p * _wire_bytes(method) * 8 / report.parse_rate_bit_s(net)
+
+
+def rows_for(net: str, label: str, p: int, res: dict, methods=METHODS):
+    rows = []
+    for method in methods:
+        h, d = res["runs"][f"hvcomm {method}"], res["runs"][f"DDP {method}"]
+        hs, ds = statistics.median(h), statistics.median(d)
+        b = bound_s(method, p, net)
+        rows.append({
+            "network": label, "P": p, "method": method,
+            "DDP step (s)": f"{ds:.3f}", "hvcomm step (s)": f"{hs:.3f}",
+            "hvcomm speed / DDP": f"{ds / hs:.2f}",
+            "runs (hvcomm; DDP)": f"{min(h):.3f}-{max(h):.3f}; {min(d):.3f}-{max(d):.3f}",
+            "comm bound (s)": "-" if b is None else f"{b:.3f}",
+            "hvcomm / bound": "-" if b is None else f"{hs / b:.2f}",
+            "DDP / bound": "-" if b is None else f"{ds / b:.2f}",
+            "compute alone (s)": f"{res['compute_s']:.3f}"})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--nets", nargs="*", default=["shm", "1gbit", "10gbit"])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--net", default="shm", help=argparse.SUPPRESS)  # the worker's
+    ap.add_argument("--name", default="ddp")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-ddp-"))
+    labels = {}
+    for net_asked in args.nets:
+        net, label = report.resolve_net(net_asked)
+        labels[net_asked] = label
+        for p in args.sizes:
+            res = report.run_worker(p, [__file__, "--worker", "--net", net, "--batch",
+                                        str(args.batch), "--warmup", str(args.warmup),
+                                        "--iters", str(args.iters), "--repeats",
+                                        str(args.repeats), "--methods", *args.methods],
+                                    timeout=3000, out=tmp / f"{net}-{p}.json", net=net)
+            new = rows_for(net, net, p, res, args.methods)
+            for r in new:
+                print(r, flush=True)
+            rows += new
+    text = report.table(rows)
+    print(text)
+    params = LAYERS * (WIDTH * WIDTH + WIDTH)
+    report.write(args.name, "hvcomm against PyTorch DDP (gloo), same model, hosts and threads",
+                 report.setting(
+                     model=f"{LAYERS} x Linear({WIDTH},{WIDTH}), {params:,} parameters (float32), "
+                           f"batch {args.batch} per rank, plain SGD",
+                     timing=f"{args.repeats} alternating runs per method and tool, each the "
+                            f"median of {args.iters} steps after {args.warmup} warm-up (the "
+                            "slowest rank's step); rows give the median over runs and the "
+                            "runs' range",
+                     networks="; ".join(f"{k}: {v}" for k, v in labels.items()),
+                     oversubscription="P > 2 shares 2 cores: P = 4 and 8 are oversubscribed, "
+                                      "and their steps measure the CPU as much as the network",
+                     ddp="gloo backend; dense: default 25 MiB buckets; fp16: "
+                         "fp16_compress_hook; PowerSGD: powerSGD_hook, rank 4, error feedback, "
+                         "warm start, from step 2, one bucket (bucket_cap_mb=1024: with "
+                         "several buckets the hook fails on gloo)",
+                     hvcomm="DistributedOptimizer defaults (Compression.none, .fp16, "
+                            f".powersgd(rank={RANK}))",
+                     threads="OMP_NUM_THREADS=1, torch.set_num_threads(1), both tools",
+                     bound="ring transfer of the method's bytes, 2(P-1)/P x bytes / link rate "
+                           f"(dense {_wire_bytes('dense') / 1e6:.1f} MB, fp16 "
+                           f"{_wire_bytes('fp16') / 1e6:.1f} MB, PowerSGD "
+                           f"{_wire_bytes('powersgd') / 1e6:.2f} MB); no latency added"),
+                 text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""bfloat16 through DistributedOptimizer: dense and Compression.fp16 gradients (bfloat16 stays
+bfloat16 on the wire), on a small tensor (Open MPI's path) and a large one (the ring), against
+a serial loop over the simulated ranks; and the compressors that cannot take it say which can.
+
+Each rank's gradient is its own integer-valued input (loss = sum(w * x)), so every sum is
+exact in bfloat16 and in float16, whatever the order: with op=Sum and SGD at lr=1 the weights
+after a step are exactly w0 - sum over ranks of x."""
+import numpy as np
+import pytest
+import torch
+
+import hvcomm.torch as hvd
+
+from harness import expect_everywhere
+
+SHAPES = {"small": (3, 5), "large": (400, 400)}  # 320 KB of bfloat16: the ring
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    hvd.init()
+
+
+def rank_input(rank, name, dtype):
+    gen = torch.Generator().manual_seed(1000 * rank + len(name))
+    return torch.randint(-8, 9, SHAPES[name], generator=gen).to(dtype)
+
+
+class Weights(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        for name, shape in SHAPES.items():
+            start = torch.arange(np.prod(shape), dtype=torch.float64).reshape(shape) % 7
+            self.register_parameter(name, torch.nn.Parameter(start.to(dtype)))
+
+
+@pytest.mark.parametrize("param_dtype, compression, wire", [
+    (torch.bfloat16, "none", torch.bfloat16),
+    (torch.bfloat16, "fp16", torch.bfloat16),
+    (torch.float32, "fp16", torch.float16),
+])
+def test_one_step_equals_the_serial_loop(param_dtype, compression, wire):
+    model = Weights(param_dtype)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, compression),
+                                   op=hvd.Sum)
+    loss = sum((p * rank_input(hvd.rank(), n, param_dtype)).sum()
+               for n, p in model.named_parameters())
+    loss.backward()
+    opt.step()
+    for name, p in model.named_parameters():
+        total = sum(rank_input(q, name, torch.float64) for q in range(hvd.size()))
+        want = Weights(torch.float64).get_parameter(name).detach() - total
+        assert p.dtype == param_dtype
+        assert torch.equal(p.detach(), want.to(wire).to(param_dtype)), name
+
+
+@pytest.mark.parametrize("compression", ["topk", "powersgd"])
+def test_compressors_that_cannot_take_bfloat16_say_which_can(compression):
+    model = Weights(torch.bfloat16)
+    factory = getattr(hvd.Compression, compression)
+    expect_everywhere(lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters(),
+        compression=factory(0.1) if compression == "topk" else factory()),
+        "Compression.none or Compression.fp16")

@@ -1,0 +1,153 @@
+"""The ring allreduce (collectives.ring) against a serial reference, on every kind it sums.
+
+The reference is a plain loop over the simulated ranks, written from the ring's definition and
+not from its code: the array is cut as np.array_split cuts it (the first n mod P pieces one
+longer); piece c is summed along the ring from rank c, each rank adding its own piece to the
+partial sum it receives (``x[c+1] + x[c]``, then ``x[c+2] +`` that, ...), each addition rounded
+to the element type (16-bit ones formed in float32, rounded by NumPy's or torch's own casts).
+The ring must equal it bitwise; Open MPI's path (small messages) is checked on integer-valued
+data, whose sums are exact in any order.
+"""
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from collectives import ring
+from collectives.errors import HvcommError
+from hvcomm.torch.ops import _add_torch
+
+KINDS = ("float32", "float64", "float16", "bfloat16")
+
+
+def to_kind(values: np.ndarray, kind: str) -> np.ndarray:
+    """float64 values rounded to ``kind`` (bfloat16 as its bits in uint16, by torch)."""
+    if kind == "bfloat16":
+        return torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return values.astype(kind)
+
+
+def as_float64(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "bfloat16":
+        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).double().numpy()
+    return x.astype(np.float64)
+
+
+def add_rounded(a: np.ndarray, b: np.ndarray, kind: str) -> np.ndarray:
+    """a + b rounded to ``kind`` once (16-bit kinds added in float32)."""
+    if kind in ("float32", "float64"):
+        return a + b
+    wide = as_float64(a, kind).astype(np.float32) + as_float64(b, kind).astype(np.float32)
+    return to_kind(wide.astype(np.float64), kind)
+
+
+def ring_reference(xs, kind):
+    p = len(xs)
+    flats = [x.reshape(-1) for x in xs]
+    pieces = [np.array_split(f, p) for f in flats]
+    out = []
+    for c in range(p):
+        acc = pieces[c][c]
+        for q in range(1, p):
+            acc = add_rounded(pieces[(c + q) % p][c], acc, kind)
+        out.append(acc)
+    return np.concatenate(out).reshape(xs[0].shape) if out else flats[0].reshape(xs[0].shape)
+
+
+def inputs(seed, shape, kind, p, integers=False):
+    xs = []
+    for q in range(p):
+        rng = np.random.default_rng([seed, q])
+        v = rng.integers(-8, 9, size=shape).astype(np.float64) if integers else \
+            rng.standard_normal(shape) * np.exp(rng.uniform(-3, 3, size=shape))
+        xs.append(to_kind(v, kind))
+    return xs
+
+
+def run(comm, x, kind, nonblocking, **kw):
+    start = ring.iring_allreduce if kw.pop("ring", True) else ring.iallreduce_sum
+    h = start(comm, x, bfloat16=kind == "bfloat16", **kw)
+    if nonblocking:
+        while not h.test():
+            pass
+    return h.wait()
+
+
+def lengths(p, per):
+    """0, 1, around P, and around the chunk: a segment of one chunk, of one more element,
+    and several chunks with a short last one."""
+    return sorted({0, 1, 2, p - 1, p, p + 1, per * p - 1, per * p, per * p + 1,
+                   3 * per * p + p - 1} - {-1})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("adder", ["numpy", "torch"])
+def test_ring_equals_the_serial_reference(kind, adder):
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    itemsize = 8 if kind == "float64" else 4 if kind == "float32" else 2
+    per = 5                                     # elements per chunk
+    for n in lengths(p, per):
+        for shape in ((n,), (n, 3)):
+            xs = inputs(n * 7 + len(shape), shape, kind, p)
+            x = xs[r].copy()
+            got = run(comm, x, kind, nonblocking=n % 2 == 1, chunk_bytes=per * itemsize,
+                      add=_add_torch if adder == "torch" else None)
+            assert got is x
+            want = ring_reference(xs, kind)
+            assert got.tobytes() == want.tobytes(), (kind, shape, got, want)
+            everyone = comm.allgather(got.tobytes())
+            assert all(b == everyone[0] for b in everyone)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_either_side_of_the_crossover(kind, monkeypatch):
+    """iallreduce_sum: Open MPI below ring_min_bytes (16-bit widened to float32, exact on
+    integers), the ring from it (the ring's reference)."""
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    itemsize = 8 if kind == "float64" else 4 if kind == "float32" else 2
+    monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", str(64 * itemsize))
+    for n in (63, 64, 65):
+        xs = inputs(n, (n,), kind, p, integers=True)
+        x = xs[r].copy()
+        got = run(comm, x, kind, nonblocking=False, ring=False)
+        exact = to_kind(sum(as_float64(v, kind) for v in xs), kind)
+        assert got.tobytes() == exact.tobytes(), (kind, n)
+        assert ring.use_ring(x.nbytes, p) == (p > 1 and n >= 64)
+    if p > 1:  # non-integers on the ring side: the ring's own order
+        xs = inputs(5, (80,), kind, p)
+        x = xs[r].copy()
+        assert run(comm, x, kind, False, ring=False).tobytes() == \
+            ring_reference(xs, kind).tobytes()
+
+
+def test_bad_input_raises_on_every_rank():
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    cases = [
+        (lambda: ring.ring_allreduce(comm, np.zeros(4 + (r == p - 1) * (p > 1), np.float32)),
+         "disagree" if p > 1 else None),
+        (lambda: ring.ring_allreduce(comm, np.zeros(4, np.int32)), "cannot sum int32"),
+        (lambda: ring.ring_allreduce(comm, np.zeros((4, 4), np.float32)[:, 0]), "contiguous"),
+        (lambda: ring.ring_allreduce(comm, np.zeros(4, np.float32), bfloat16=True),
+         "bfloat16=True takes uint16"),
+        (lambda: ring.ring_allreduce(comm, [1.0, 2.0]), "numpy array"),
+        (lambda: ring.ring_allreduce(comm, np.zeros(4, np.float32), chunk_bytes=0),
+         "chunk_bytes"),
+    ]
+    for call, text in cases:
+        if text is None:
+            call()
+            continue
+        with pytest.raises(HvcommError, match=text):
+            call()
+    comm.Barrier()  # nobody is left behind in a collective
+
+
+def test_ring_min_bytes_setting(monkeypatch):
+    monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", "many")
+    with pytest.raises(HvcommError, match="HVCOMM_RING_MIN_BYTES"):
+        ring.ring_min_bytes()
+    monkeypatch.delenv("HVCOMM_RING_MIN_BYTES")
+    assert ring.ring_min_bytes() == ring.RING_MIN_BYTES
