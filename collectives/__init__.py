@@ -1,5 +1,6 @@
 """Torch-free MPI collectives over NumPy buffers: sparse (gTop-k, Top-k AllGather), dense (Open
-MPI's, and hvcomm's pipelined ring) and merged allreduce, and their alpha-beta cost model. No globals, nothing happens at import.
+MPI's, and hvcomm's pipelined ring) and merged allreduce, and their alpha-beta cost model. No
+globals, nothing happens at import.
 
 Each name below is imported from its submodule on first access (PEP 562), so that
 ``import collectives`` and its pure parts (``errors``, ``plans``, ``cost``'s formulas,
