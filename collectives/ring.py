@@ -15,7 +15,8 @@ chunks are added in place from a reused workspace.
 16-bit floats (float16, and bfloat16 held as its raw bits in uint16) travel as 16 bits; each
 addition is formed in float32 and rounded back once, so segment c's sum is the serial one
 ``x[c+1] + x[c] -> x[c+2] + that -> ...`` with one rounding per hop. Small messages go to Open
-MPI's own allreduce (:func:`use_ring`), 16-bit ones widened to float32 there.
+MPI's own allreduce (:func:`use_ring`: the sizes differ for 16-bit kinds), 16-bit ones widened
+to float32 there.
 """
 from __future__ import annotations
 
@@ -32,10 +33,13 @@ from .workspace import Workspace, pooled
 
 RING_TAG = 7411
 CHUNK_BYTES = 1 << 20
-# Below this many bytes Open MPI's own allreduce is at least as fast as the ring (latency:
-# 2(P-1) rounds of messages); measured by scripts/bench_collectives.py --ring on shared memory
-# and emulated 1 and 10 Gbit/s (results/ring_crossover.md). HVCOMM_RING_MIN_BYTES overrides.
-RING_MIN_BYTES = 1 << 18
+# Below these sizes Open MPI's own allreduce is at least as fast as the ring, by
+# scripts/bench_ring.py on shared memory and emulated 1 and 10 Gbit/s at P = 2 and 4
+# (results/ring_crossover.md). float32/float64: the ring ties Open MPI's ring from 256 KiB at
+# 1 Gbit but wins only from 4-16 MiB at 10 Gbit and from 16-64 MiB on shared memory. 16-bit:
+# from 256 KiB the ring beats Open MPI's sum of the widened float32 (and its own float16 sum,
+# slower still). HVCOMM_RING_MIN_BYTES overrides both.
+RING_MIN_BYTES = {"wide": 16 << 20, "16-bit": 256 << 10}
 
 FLOAT16, BFLOAT16 = "float16", "bfloat16"
 _DTYPES = {np.dtype(np.float32): np.dtype(np.float32), np.dtype(np.float64): np.dtype(np.float64),
@@ -70,12 +74,12 @@ def numpy_add(kind) -> Add:
     return add
 
 
-def ring_min_bytes() -> int:
-    """The size from which :func:`use_ring` picks the ring (HVCOMM_RING_MIN_BYTES or the
-    measured default)."""
+def ring_min_bytes(kind=np.dtype(np.float32)) -> int:
+    """The size from which :func:`use_ring` picks the ring for ``kind``
+    (HVCOMM_RING_MIN_BYTES, or the measured :data:`RING_MIN_BYTES`)."""
     text = os.environ.get("HVCOMM_RING_MIN_BYTES")
     if text is None:
-        return RING_MIN_BYTES
+        return RING_MIN_BYTES["16-bit" if kind in (FLOAT16, BFLOAT16) else "wide"]
     try:
         value = int(text)
     except ValueError:
@@ -85,9 +89,9 @@ def ring_min_bytes() -> int:
     return value
 
 
-def use_ring(nbytes: int, size: int) -> bool:
-    """Whether a sum of ``nbytes`` over ``size`` ranks goes over the ring."""
-    return size > 1 and nbytes >= ring_min_bytes()
+def use_ring(nbytes: int, size: int, kind=np.dtype(np.float32)) -> bool:
+    """Whether a sum of ``nbytes`` of ``kind`` over ``size`` ranks goes over the ring."""
+    return size > 1 and nbytes >= ring_min_bytes(kind)
 
 
 @functools.lru_cache(maxsize=256)
@@ -223,7 +227,7 @@ def iallreduce_sum(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional
     """Start summing ``x`` in place: over the ring from :func:`ring_min_bytes` bytes, else
     over Open MPI's allreduce (16-bit kinds widened to float32 for it and rounded back once).
     The arguments are :func:`iring_allreduce`'s."""
-    if isinstance(x, np.ndarray) and use_ring(x.nbytes, comm.Get_size()):
+    if isinstance(x, np.ndarray) and use_ring(x.nbytes, comm.Get_size(), kind_of(x, bfloat16)):
         return iring_allreduce(comm, x, bfloat16=bfloat16, add=add, tag=tag, check=check)
     kind = _checked_kind(comm, x, bfloat16, check, "allreduce")
     if comm.Get_size() == 1 or x.size == 0:

@@ -114,7 +114,8 @@ def test_either_side_of_the_crossover(kind, monkeypatch):
         got = run(comm, x, kind, nonblocking=False, ring=False)
         exact = to_kind(sum(as_float64(v, kind) for v in xs), kind)
         assert got.tobytes() == exact.tobytes(), (kind, n)
-        assert ring.use_ring(x.nbytes, p) == (p > 1 and n >= 64)
+        assert ring.use_ring(x.nbytes, p, ring.kind_of(x, kind == "bfloat16")) == \
+            (p > 1 and n >= 64)
     if p > 1:  # non-integers on the ring side: the ring's own order
         xs = inputs(5, (80,), kind, p)
         x = xs[r].copy()
@@ -150,4 +151,5 @@ def test_ring_min_bytes_setting(monkeypatch):
     with pytest.raises(HvcommError, match="HVCOMM_RING_MIN_BYTES"):
         ring.ring_min_bytes()
     monkeypatch.delenv("HVCOMM_RING_MIN_BYTES")
-    assert ring.ring_min_bytes() == ring.RING_MIN_BYTES
+    assert ring.ring_min_bytes(np.dtype(np.float64)) == ring.RING_MIN_BYTES["wide"]
+    assert ring.ring_min_bytes(ring.BFLOAT16) == ring.RING_MIN_BYTES["16-bit"]
