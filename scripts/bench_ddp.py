@@ -6,14 +6,9 @@ Every rank runs both: hvcomm's ``DistributedOptimizer`` over MPI, and
 hvcomm's and DDP's in turn, each run on a fresh model from the same seed; a run's figure is
 the median step (the slowest rank's) after warm-up, and a row gives the median over runs.
 
-Methods, as a new user of each would pick them:
-
-- dense: ``Compression.none``; DDP with its default 25 MiB buckets;
-- fp16: ``Compression.fp16``; DDP's ``fp16_compress_hook``;
-- PowerSGD rank 4: ``Compression.powersgd(rank=4)``; DDP's ``powerSGD_hook`` at rank 4 (error
-  feedback and warm start, compressing from its second step) on a single bucket: with several
-  buckets, DDP's hook on gloo fails with a collective mismatch or deadlocks as soon as two
-  buckets' hooks run at once (torch 2.13, CPU), so DDP's PowerSGD is measured as it works.
+Methods: dense, fp16 and PowerSGD at rank 4, hvcomm's ``Compression.none``, ``.fp16`` and
+``.powersgd(rank=4)`` against DDP's as :mod:`ddp_peer` sets them up (DDP's PowerSGD on a single
+bucket: with several it fails on gloo).
 
 Beside each row: the communication bound, the ring's 2(P-1)/P of the bytes each rank sends on
 one link of the emulated rate (the emulated links add no latency), and the step's computation
@@ -25,36 +20,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import ddp_peer
 import report
 
 WIDTH, LAYERS = 1600, 10  # 10 x (1600*1600 + 1600) = 25.6M parameters, 102 MB of float32
-METHODS = ("dense", "fp16", "powersgd")
+METHODS = ddp_peer.METHODS
 RANK = 4
+
+
+def _wire_bytes(method: str) -> int:
+    """Bytes one rank's allreduces carry per step (before the ring's 2(P-1)/P)."""
+    return ddp_peer.payload_bytes(_model().parameters(), method, RANK)
 
 
 def _model():
     import torch
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-
-
-def _wire_bytes(method: str) -> int:
-    """Bytes one rank's allreduces carry per step (before the ring's 2(P-1)/P)."""
-    params = LAYERS * (WIDTH * WIDTH + WIDTH)
-    if method == "dense":
-        return 4 * params
-    if method == "fp16":
-        return 2 * params
-    factors = LAYERS * (WIDTH + WIDTH) * RANK  # P (n x r) and Q (m x r) per weight matrix
-    return 4 * (factors + LAYERS * WIDTH)      # and the biases, dense
 
 
 def _time_steps(comm, step, x, steps: int):
@@ -86,20 +73,7 @@ def _hvcomm_run(hvd, method: str):
 
 def _ddp_run(method: str):
     import torch
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = _model()
-    if method == "powersgd":  # one bucket: the hook fails on gloo with several
-        ddp = DDP(model, bucket_cap_mb=1024)
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
-                                   start_powerSGD_iter=2, use_error_feedback=True,
-                                   warm_start=True)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    else:
-        ddp = DDP(model)
-        if method == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ddp = ddp_peer.wrap(_model(), method, RANK)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
 
     def step(x):
@@ -130,19 +104,7 @@ def worker(args) -> None:
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
     hvd.init()
-    if args.net == "shm":
-        addr, iface = "127.0.0.1", "lo"
-    else:  # an emulated host: its hostname is its address, its link eth0
-        addr, iface = socket.gethostname(), "eth0"
-    os.environ["GLOO_SOCKET_IFNAME"] = iface
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            port = s.getsockname()[1]
-    addr, port = comm.bcast((addr, port))
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
-                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    ddp_peer.init_gloo(comm)
     x = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(1 + comm.rank))
     steps = args.warmup + args.iters
     compute = _time_steps(comm, _compute_only(), x, steps)[args.warmup:]
@@ -165,7 +127,7 @@ def bound_s(method: str, p: int, net: str):
     """The ring's transfer time of the method's bytes on one link, None on shared memory."""
     if net == "shm":
         return None
-    return 2 * (p - 1) / p * _wire_bytes(method) * 8 / report.parse_rate_bit_s(net)
+    return ddp_peer.ring_bytes(_wire_bytes(method), p) * 8 / report.parse_rate_bit_s(net)
 
 
 def rows_for(net: str, label: str, p: int, res: dict, methods=METHODS):
@@ -196,7 +158,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
-    ap.add_argument("--net", default="shm", help=argparse.SUPPRESS)  # the worker's
     ap.add_argument("--name", default="ddp")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -208,7 +169,7 @@ def main() -> None:
         net, label = report.resolve_net(net_asked)
         labels[net_asked] = label
         for p in args.sizes:
-            res = report.run_worker(p, [__file__, "--worker", "--net", net, "--batch",
+            res = report.run_worker(p, [__file__, "--worker", "--batch",
                                         str(args.batch), "--warmup", str(args.warmup),
                                         "--iters", str(args.iters), "--repeats",
                                         str(args.repeats), "--methods", *args.methods],

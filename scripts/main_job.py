@@ -1,4 +1,5 @@
-"""The main job: train on the digits with every method, 4 ranks each, and compare them.
+"""The main job: train on the digits with every method, 4 ranks each, and compare them, with
+PyTorch DDP's dense, fp16 and PowerSGD (gloo, on the same hosts) beside hvcomm's.
 
 By default the ranks run on an emulated cluster, one host per rank joined by 1 Gbit/s links
 (the network hvcomm is for), where root and network namespaces allow; elsewhere, and with
@@ -115,7 +116,10 @@ def write_report(name, args, label, results) -> None:
         batch_per_rank=first["batch_per_rank"], epochs=args.epochs, network=label,
         **{"time to accuracy": to_accuracy},
         note="bytes: hvcomm counts what each rank sends (ring model for MPI's allreduce); "
-             "Horovod's are the ring model 2(P-1)/P*bytes. Sparse methods use error feedback; "
+             "Horovod's and DDP's are the ring model 2(P-1)/P*bytes of what their allreduces "
+             "carry. ddp-*: PyTorch DDP on gloo over the same hosts, set up as "
+             "scripts/ddp_peer.py says (fp16_compress_hook; powerSGD_hook at rank 4 on one "
+             "bucket, from step 2). Sparse methods use error feedback; "
              "'model' scope selects over the whole model, 'layerwise' per tensor. Final weights: "
              "the first 16 hex digits of the sha256 of the tested weights' bytes",
         delayed=f"od/ssd/cd-sgd: {args.delay_warmup} synchronous warm-up steps, local lr 0.2 "

@@ -28,6 +28,7 @@ from sklearn.datasets import load_digits
 
 import hvcomm.torch as hvc
 from hvcomm.torch import checkpoint, preemption
+import ddp_peer
 import report
 
 HIDDEN = 512
@@ -51,23 +52,41 @@ DELAY_WARMUP = {"steps": 100}  # --delay-warmup
 def hvcomm_method(compression=None, delay=None):
     def build(opt, model):
         d = None if delay is None else hvc.Delay(**{**delay, "warmup_steps": DELAY_WARMUP["steps"]})
-        return hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                        compression=compression or hvc.Compression.none,
-                                        delay=d)
+        return model, hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                               compression=compression or hvc.Compression.none,
+                                               delay=d)
     return build, lambda opt, model: opt.comm_stats.sent_bytes
 
 
 def horovod_dense():
     def build(opt, model):
-        return horovod_module().DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        return model, horovod_module().DistributedOptimizer(
+            opt, named_parameters=model.named_parameters())
     return build, lambda opt, model: dense_bytes(model)  # Horovod reports none: ring model
 
 
+def ddp_method(method: str):
+    """PyTorch DDP (gloo) as scripts/ddp_peer.py sets it up; bytes: the ring model."""
+    def build(opt, model):
+        if not torch.distributed.is_initialized():
+            ddp_peer.init_gloo(MPI.COMM_WORLD)
+        return ddp_peer.wrap(model, method), opt
+
+    def bytes_of(opt, model):
+        return ddp_peer.ring_bytes(ddp_peer.payload_bytes(model.parameters(), method),
+                                   hvc.size())
+    return build, bytes_of
+
+
 C = hvc.Compression
-# name -> (builder(optimizer, model) -> distributed optimizer, bytes sent per step per rank)
+# name -> (builder(optimizer, model) -> (model to train, optimizer to step), bytes sent per
+# step per rank)
 METHODS = {
     "hvcomm-dense": hvcomm_method(),
     "horovod-dense": horovod_dense(),
+    "ddp-dense": ddp_method("dense"),
+    "ddp-fp16": ddp_method("fp16"),
+    "ddp-powersgd-4": ddp_method("powersgd"),
     "hvcomm-fp16": hvcomm_method(C.fp16),
     "topk-0.01": hvcomm_method(C.topk(0.01, scope="model")),
     "topk-0.001": hvcomm_method(C.topk(0.001, scope="model")),
@@ -151,7 +170,7 @@ def main() -> None:
     (xtr, ytr), (xte, yte) = load_data(args.seed)
     model = make_model(args.seed)
     build, bytes_of = METHODS[args.method]
-    opt = build(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model)
+    model, opt = build(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model)
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     per_rank = len(xtr) // size
     steps = per_rank // args.batch

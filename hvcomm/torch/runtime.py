@@ -56,6 +56,31 @@ def _abort_on_uncaught(exc_type, exc, tb):
     MPI.COMM_WORLD.Abort(1)
 
 
+# glibc's malloc hands a large freed block back to the kernel (munmap, or trimming the heap), so
+# the next step's bucket of the same size is new pages, each paid with a page fault on first
+# touch: a 20 MB float16 -> float32 copy took 13-15 ms on fresh pages and 2.5 ms on reused
+# ones here, and the fp16 step at P = 2 on shared memory 0.30 s instead of 0.21 s. DDP keeps its
+# buckets; hvcomm's steps allocate theirs, so the process keeps freed memory instead.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_ABOVE = 2 ** 31 - 1  # bytes: the largest value mallopt takes
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory in the process (allocations below 2 GiB from the
+    heap, which is never trimmed), unless HVCOMM_KEEP_FREED_MEMORY=0. The resident size then
+    stays at its peak, as a training step's does anyway. True if applied."""
+    if os.environ.get("HVCOMM_KEEP_FREED_MEMORY", "1") == "0" \
+            or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_ABOVE) and mallopt(_M_TRIM_THRESHOLD, _KEEP_ABOVE))
+
+
 def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
          abort_on_error: Optional[bool] = None, stall_check_s: Optional[float] = None,
          stall_shutdown_s: Optional[float] = None) -> None:
@@ -73,6 +98,7 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     global _runtime, _previous_excepthook
     if _runtime is not None:
         return
+    keep_freed_memory()
     if comm is None:
         comm = world()
     elif not isinstance(comm, MPI.Comm):

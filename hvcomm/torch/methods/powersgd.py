@@ -54,7 +54,8 @@ def low_rank(shape: Sequence[int], rank: int) -> Optional[Tuple[int, int, int]]:
 @dataclass
 class Matrix:
     """One low-rank part of a bucket: its parameter's ``name``, where it lies in the flat
-    gradient (``offset``, ``n`` x ``m``), this rank's M (a copy) and the Q it starts from."""
+    gradient (``offset``, ``n`` x ``m``), this rank's M (a view of the bucket's gradient,
+    which nothing writes after encoding) and the Q it starts from."""
 
     name: str
     offset: int
@@ -166,7 +167,7 @@ class PowerSGDCompressor(Compressor):
                 q = self._q.get(name)
                 if q is None or q.shape != (m, r) or q.dtype != flat.dtype:
                     q = self._q[name] = self._first_q(name, m, r, flat.dtype)
-                matrices.append(Matrix(name, offset, n, m, part.view(n, m).clone(), q))
+                matrices.append(Matrix(name, offset, n, m, part.view(n, m), q))
             offset += numel
         values = torch.cat(values) if values else flat.new_zeros(0)
         return LowRankPayload(values, flat.numel(), flat.dtype, matrices=matrices, dense=dense)
@@ -183,8 +184,9 @@ class PowerSGDCompressor(Compressor):
 
     def residual(self, acc, payload):
         """Nothing until :meth:`settle`: the dense parts travel exactly, and what the
-        matrices' approximation leaves is known only after the collective."""
-        return acc.zero_()
+        matrices' approximation leaves is known only after the collective. A new buffer:
+        ``acc`` holds the matrices the collective reads."""
+        return torch.zeros_like(acc)
 
     def settle(self, residual, payload, result):
         flat = residual.view(-1)
