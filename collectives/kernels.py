@@ -1,4 +1,5 @@
-"""The local compute of the sparse collectives, in linear time, compiled by numba.
+"""The local compute of the sparse collectives, in linear time, and the ring's 16-bit
+conversions and additions (at the end), compiled by numba.
 
 Every input run here is sorted by index with unique indices, which is what makes each step a
 single pass: merging two runs, summing common indices and recording where each output came

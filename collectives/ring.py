@@ -160,14 +160,17 @@ def _free(sends, start, in_place):
         yield [old]
 
 
-def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str):
+def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str, agree=()):
     """The kind ``array`` is summed as; raises HvcommError (on every rank with ``check``,
-    which also makes the ranks agree on its size and kind) if it cannot be."""
+    which also makes the ranks agree on its size and kind, and on ``agree``) if it cannot
+    be."""
     kind = kind_of(array, bfloat16) if isinstance(array, np.ndarray) else None
     if not isinstance(array, np.ndarray):
         err = f"expected a numpy array, got {type(array).__name__}"
     elif not array.flags.c_contiguous:
         err = "array must be contiguous (use np.ascontiguousarray)"
+    elif not array.flags.writeable:
+        err = "array must be writeable: the sum is written into it"
     elif kind is None and bfloat16:
         err = f"bfloat16=True takes uint16 arrays holding bfloat16 bits, got {array.dtype}"
     elif kind is None:
@@ -176,7 +179,7 @@ def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str):
     else:
         err = None
     if check:
-        check_agree(comm, None if err else (array.size, str(kind)), what, err)
+        check_agree(comm, None if err else (array.size, str(kind), *agree), what, err)
     elif err:
         raise HvcommError(f"{what}: {err}")
     return kind
@@ -194,13 +197,16 @@ def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optiona
     the in-place addition (default :func:`numpy_add`; hvcomm.torch passes torch's, several
     times faster for 16-bit). ``chunk_bytes``: the pipeline's unit. Calls in flight together
     on one communicator need distinct tags. ``check``: the ranks first agree (one small
-    allgather) that they pass the same size and kind, else every rank raises HvcommError.
+    allgather) that they pass the same size, kind, ``chunk_bytes`` and ``tag``, else every
+    rank raises HvcommError.
 
     Cost: 2(P-1) chunk latencies to fill the pipeline, 2(P-1)/P * bytes on every link.
     """
-    kind = _checked_kind(comm, x, bfloat16, check, "ring allreduce")
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise HvcommError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise HvcommError(f"ring allreduce: chunk_bytes must be a positive integer, got "
+                          f"{chunk_bytes!r}")
+    kind = _checked_kind(comm, x, bfloat16, check, "ring allreduce",
+                         agree=(("chunk_bytes", chunk_bytes), ("tag", tag)))
     if comm.Get_size() == 1 or x.size == 0:
         return completed(x)
     per = max(1, chunk_bytes // x.itemsize)
@@ -225,8 +231,9 @@ def _widened_steps(comm, x, brain: bool, ws: Workspace):
 def iallreduce_sum(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional[Add] = None,
                    tag: int = RING_TAG, check: bool = True) -> Pending:
     """Start summing ``x`` in place: over the ring from :func:`ring_min_bytes` bytes, else
-    over Open MPI's allreduce (16-bit kinds widened to float32 for it and rounded back once).
-    The arguments are :func:`iring_allreduce`'s."""
+    over Open MPI's allreduce (16-bit kinds widened to float32 for it and rounded back once:
+    a small 16-bit sum is rounded once, a ring's once per hop). The arguments are
+    :func:`iring_allreduce`'s (its default chunk size)."""
     if isinstance(x, np.ndarray) and use_ring(x.nbytes, comm.Get_size(), kind_of(x, bfloat16)):
         return iring_allreduce(comm, x, bfloat16=bfloat16, add=add, tag=tag, check=check)
     kind = _checked_kind(comm, x, bfloat16, check, "allreduce")

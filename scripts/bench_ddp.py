@@ -174,7 +174,7 @@ def main() -> None:
                                         "--iters", str(args.iters), "--repeats",
                                         str(args.repeats), "--methods", *args.methods],
                                     timeout=3000, out=tmp / f"{net}-{p}.json", net=net)
-            new = rows_for(net, net, p, res, args.methods)
+            new = rows_for(net, net_asked, p, res, args.methods)
             for r in new:
                 print(r, flush=True)
             rows += new
@@ -194,10 +194,12 @@ def main() -> None:
                                       "and their steps measure the CPU as much as the network",
                      ddp="gloo backend; dense: default 25 MiB buckets; fp16: "
                          "fp16_compress_hook; PowerSGD: powerSGD_hook, rank 4, error feedback, "
-                         "warm start, from step 2, one bucket (bucket_cap_mb=1024: with "
-                         "several buckets the hook fails on gloo)",
+                         f"warm start, from step 2, one bucket (bucket_cap_mb="
+                         f"{ddp_peer.ONE_BUCKET_MB}: with several buckets the hook fails on "
+                         "gloo). hvcomm.torch.init() keeps freed memory in the process "
+                         "(HVCOMM_KEEP_FREED_MEMORY); DDP, in the same processes, has it too",
                      hvcomm="DistributedOptimizer defaults (Compression.none, .fp16, "
-                            f".powersgd(rank={RANK}))",
+                            f".powersgd(rank={RANK})), 25 MiB buckets for every method",
                      threads="OMP_NUM_THREADS=1, torch.set_num_threads(1), both tools",
                      bound="ring transfer of the method's bytes, 2(P-1)/P x bytes / link rate "
                            f"(dense {_wire_bytes('dense') / 1e6:.1f} MB, fp16 "

@@ -55,8 +55,10 @@ def worker(args) -> None:
     rows = []
     for nbytes in args.sizes:
         n32 = nbytes // 4
-        x32 = np.random.default_rng(comm.rank).standard_normal(n32).astype(np.float32)
-        x16 = x32.astype(np.float16)
+        # summed in place call after call: inputs of 1/P^3 (and 2-valued: exact) keep every
+        # result finite over the calls, so the 16-bit kernels run on ordinary numbers
+        start = np.full(n32, 2.0 ** -30, np.float32)
+        x32, x16 = start.copy(), start.astype(np.float16)
         wide = np.empty(x16.size, np.uint32)
         out16 = np.empty_like(x16)
 

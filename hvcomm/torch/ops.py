@@ -39,8 +39,9 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _add_torch(dst: np.ndarray, src: np.ndarray, ws: Workspace) -> None:
     """The ring's in-place addition with torch's vectorised kernels: float16 and bfloat16
     (uint16 bits) summed in float32 and rounded once, several times faster than NumPy's."""
-    if dst.dtype == np.uint16:
-        torch.from_numpy(dst).view(torch.bfloat16).add_(torch.from_numpy(src).view(torch.bfloat16))
+    if dst.dtype == np.uint16:  # (torch reads uint16 arrays from 2.3 on: through int16)
+        torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).add_(
+            torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
     else:
         torch.from_numpy(dst).add_(torch.from_numpy(src))
 
@@ -55,10 +56,10 @@ def sum_in_place(comm: MPI.Comm, tensor: torch.Tensor) -> None:
     in float32); other dtypes over Open MPI's allreduce."""
     if tensor.dtype in _RING_DTYPES:
         brain = tensor.dtype == torch.bfloat16
-        buf = as_bits(tensor).view(np.uint16) if brain else tensor.numpy()
+        buf = as_bits(tensor).view(np.uint16) if brain else tensor.detach().numpy()
         allreduce_sum(comm, buf, bfloat16=brain, add=_add_torch, check=False)
     else:
-        comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
+        comm.Allreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM)
 
 
 def check_name(kind: str, name: Optional[str]) -> Optional[str]:

@@ -1,9 +1,11 @@
 """bfloat16 through DistributedOptimizer: dense and Compression.fp16 gradients (bfloat16 stays
-bfloat16 on the wire), on a small tensor (Open MPI's path) and a large one (the ring), against
-a serial loop over the simulated ranks; and the compressors that cannot take it say which can.
+bfloat16 on the wire), on a small tensor (Open MPI's path) and a large one (the ring), each in
+a bucket of its own, against a serial loop over the simulated ranks; and the compressors that
+cannot take it say which can.
 
-Each rank's gradient is its own integer-valued input (loss = sum(w * x)), so every sum is
-exact in bfloat16 and in float16, whatever the order: with op=Sum and SGD at lr=1 the weights
+Each rank's gradient is its own input (loss = sum(w * x)): integers, times 2**20 for bfloat16
+parameters, so every sum is exact in bfloat16 whatever the order, and would overflow float16
+(a bfloat16 gradient cast to float16 fails the test). With op=Sum and SGD at lr=1 the weights
 after a step are exactly w0 - sum over ranks of x."""
 import numpy as np
 import pytest
@@ -21,9 +23,9 @@ def started():
     hvd.init()
 
 
-def rank_input(rank, name, dtype):
+def rank_input(rank, name, dtype, scale):
     gen = torch.Generator().manual_seed(1000 * rank + len(name))
-    return torch.randint(-8, 9, SHAPES[name], generator=gen).to(dtype)
+    return (torch.randint(-8, 9, SHAPES[name], generator=gen) * scale).to(dtype)
 
 
 class Weights(torch.nn.Module):
@@ -40,17 +42,19 @@ class Weights(torch.nn.Module):
     (torch.float32, "fp16", torch.float16),
 ])
 def test_one_step_equals_the_serial_loop(param_dtype, compression, wire):
+    scale = 2.0 ** 20 if param_dtype == torch.bfloat16 else 1.0
     model = Weights(param_dtype)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                    named_parameters=model.named_parameters(),
                                    compression=getattr(hvd.Compression, compression),
-                                   op=hvd.Sum)
-    loss = sum((p * rank_input(hvd.rank(), n, param_dtype)).sum()
+                                   op=hvd.Sum, fusion_threshold_bytes=0)
+    assert len(opt.plan) == len(SHAPES)  # a bucket each: the small one on Open MPI's path
+    loss = sum((p * rank_input(hvd.rank(), n, param_dtype, scale)).sum()
                for n, p in model.named_parameters())
     loss.backward()
     opt.step()
     for name, p in model.named_parameters():
-        total = sum(rank_input(q, name, torch.float64) for q in range(hvd.size()))
+        total = sum(rank_input(q, name, torch.float64, scale) for q in range(hvd.size()))
         want = Weights(torch.float64).get_parameter(name).detach() - total
         assert p.dtype == param_dtype
         assert torch.equal(p.detach(), want.to(wire).to(param_dtype)), name

@@ -152,6 +152,7 @@ class Compressor:
         raise NotImplementedError
 
     def decode(self, result: Any, payload: Payload) -> torch.Tensor:
+        """The dense sum, in a tensor the caller owns (the optimizer scales it in place)."""
         raise NotImplementedError
 
     def residual(self, acc: torch.Tensor, payload: Payload) -> torch.Tensor:
