@@ -63,8 +63,8 @@ def wrap(model, method: str, rank: int = 4):
 
 def payload_bytes(params, method: str, rank: int = 4) -> int:
     """The bytes one rank's allreduces carry per step (before the ring's 2(P-1)/P): PowerSGD's
-    P and Q factors of each tensor of two or more dimensions that DDP's hook compresses (at
-    least 2x smaller as factors), the rest dense."""
+    P and Q factors of each tensor of two or more dimensions that DDP's hook compresses (more
+    than 2x smaller as factors), the rest dense."""
     total = 0
     for p in params:
         n = p.numel()
@@ -76,7 +76,7 @@ def payload_bytes(params, method: str, rank: int = 4) -> int:
             rows = p.shape[0] if p.dim() >= 2 else 0
             cols = n // rows if rows else 0
             r = min(rank, rows, cols)
-            small = rows and n >= 2 * (rows + cols) * r
+            small = rows and 2 * (rows + cols) * r < n  # DDP's _should_compress
             total += 4 * ((rows + cols) * r if small else n)
     return total
 
