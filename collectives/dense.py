@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from .errors import HvcommError, check_agree
 from .handle import Pending
+from .ring import segments
 from .workspace import Workspace, pooled
 
 
@@ -65,8 +66,7 @@ def sum_pieces(pieces: np.ndarray, ws: Optional[Workspace] = None,
 def _chunks(n: int, p: int, r: int):
     """Rank q's chunk of n elements (counts, offsets), and where the P pieces of rank r's
     chunk land in its receive buffer: Python ints, built once per (n, p, r)."""
-    counts = [n // p + (q < n % p) for q in range(p)]
-    offsets = [sum(counts[:q]) for q in range(p)]
+    offsets, counts = segments(n, p)
     mine = counts[r]
     return (counts, offsets), ([mine] * p, [q * mine for q in range(p)])
 

@@ -123,8 +123,7 @@ def _ring_steps(comm, x, add: Add, per: int, tag: int, ws: Workspace):
     def send(start, n):
         sends[start] = comm.Isend(flat[start:start + n], dest=nxt, tag=tag)
 
-    def post_recv(s, j):  # step s's chunk j: into the inbox to be added, or in place
-        start, n = chunks(s)[j]
+    def post_recv(s, start, n):  # step s's chunk: into the inbox to be added, or in place
         if s < p - 1:
             at = start - offsets[(r - s - 1) % p]
             return comm.Irecv(inbox[at:at + n], source=prv, tag=tag)
@@ -132,7 +131,7 @@ def _ring_steps(comm, x, add: Add, per: int, tag: int, ws: Workspace):
 
     for start, n in _chunks(offsets[r], counts[r], per):  # step 0 sends this rank's segment
         send(start, n)
-    pending = [post_recv(0, j) for j in range(len(chunks(0)))]
+    pending = [post_recv(0, start, n) for start, n in chunks(0)]
     for s in range(steps):
         mine, seg_start = chunks(s), offsets[(r - s - 1) % p]
         following = chunks(s + 1) if s + 1 < steps else []
@@ -144,10 +143,10 @@ def _ring_steps(comm, x, add: Add, per: int, tag: int, ws: Workspace):
                 send(start, n)  # this chunk is step s + 1's
                 if j < len(following):  # the receive that takes its place, in step order
                     yield from _free(sends, following[j][0], s + 1 >= p - 1)
-                    pending[j] = post_recv(s + 1, j)
+                    pending[j] = post_recv(s + 1, *following[j])
         for j in range(len(mine), len(following)):  # a longer next segment's extra chunk
             yield from _free(sends, following[j][0], s + 1 >= p - 1)
-            pending.append(post_recv(s + 1, j))
+            pending.append(post_recv(s + 1, *following[j]))
         del pending[len(following):]
     yield list(sends.values())
     return x
