@@ -49,7 +49,7 @@ def worker(args) -> None:
 
     from collectives import icast_allreduce, kernels
     from collectives.ring import ring_allreduce
-    from hvcomm.torch.ops import _add_torch
+    from hvcomm.torch.ops import add_torch
 
     comm = MPI.COMM_WORLD
     rows = []
@@ -69,8 +69,8 @@ def worker(args) -> None:
 
         calls = {
             "f32 Open MPI": lambda: comm.Allreduce(MPI.IN_PLACE, x32, op=MPI.SUM),
-            "f32 ring": lambda: ring_allreduce(comm, x32, add=_add_torch, check=False),
-            "f16 ring": lambda: ring_allreduce(comm, x16, add=_add_torch, check=False),
+            "f32 ring": lambda: ring_allreduce(comm, x32, add=add_torch, check=False),
+            "f16 ring": lambda: ring_allreduce(comm, x16, add=add_torch, check=False),
             "f16 widened Open MPI": widened,
             "f16 Open MPI": lambda: comm.Allreduce(x16, out16, op=MPI.SUM),
             "f16 Alltoallv+Allgatherv": lambda: icast_allreduce(comm, x16,

@@ -36,7 +36,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
-def _add_torch(dst: np.ndarray, src: np.ndarray, ws: Workspace) -> None:
+def add_torch(dst: np.ndarray, src: np.ndarray, ws: Workspace) -> None:
     """The ring's in-place addition with torch's vectorised kernels: float16 and bfloat16
     (uint16 bits) summed in float32 and rounded once, several times faster than NumPy's."""
     if dst.dtype == np.uint16:  # (torch reads uint16 arrays from 2.3 on: through int16)
@@ -57,7 +57,7 @@ def sum_in_place(comm: MPI.Comm, tensor: torch.Tensor) -> None:
     if tensor.dtype in _RING_DTYPES:
         brain = tensor.dtype == torch.bfloat16
         buf = as_bits(tensor).view(np.uint16) if brain else tensor.detach().numpy()
-        allreduce_sum(comm, buf, bfloat16=brain, add=_add_torch, check=False)
+        allreduce_sum(comm, buf, bfloat16=brain, add=add_torch, check=False)
     else:
         comm.Allreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM)
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from collectives import ring
 from collectives.errors import HvcommError
-from hvcomm.torch.ops import _add_torch
+from hvcomm.torch.ops import add_torch
 
 KINDS = ("float32", "float64", "float16", "bfloat16")
 
@@ -95,7 +95,7 @@ def test_ring_equals_the_serial_reference(kind, adder):
             xs = inputs(n * 7 + len(shape), shape, kind, p)
             x = xs[r].copy()
             got = run(comm, x, kind, nonblocking=n % 2 == 1, chunk_bytes=per * itemsize,
-                      add=_add_torch if adder == "torch" else None)
+                      add=add_torch if adder == "torch" else None)
             assert got is x
             want = ring_reference(xs, kind)
             assert got.tobytes() == want.tobytes(), (kind, shape, got, want)
