@@ -1,6 +1,6 @@
 """Every rank raises at once under ``mpirun --with-ft ulfm``: how often does the job end, and how
 often does mpirun hang? With hvcomm's stagger between the ranks' MPI_Abort calls
-(hvcomm.torch.fault.ABORT_STAGGER_S) and without it (0 s).
+(hvcomm.torch.ending.ABORT_STAGGER_S) and without it (0 s).
 
 Driver (default): RUNS jobs of P ranks per setting, one at a time, each killed after TIMEOUT s
 (a hung prterun ignores SIGTERM); writes results/abort_under_ft.md.
@@ -18,8 +18,8 @@ from hvcomm.cluster import launch
 
 def worker(stagger_s: float) -> None:
     import hvcomm.torch as hvd
-    from hvcomm.torch import fault
-    fault.ABORT_STAGGER_S = stagger_s
+    from hvcomm.torch import ending
+    ending.ABORT_STAGGER_S = stagger_s
     hvd.init()
     raise RuntimeError(f"rank {hvd.rank()} cannot start")
 
@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         return worker(args.worker)
-    from hvcomm.torch.fault import ABORT_STAGGER_S
+    from hvcomm.torch.ending import ABORT_STAGGER_S
     rows = []
     for stagger in (0.0, ABORT_STAGGER_S):
         ended, hung, walls = 0, 0, []

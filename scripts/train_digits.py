@@ -27,6 +27,7 @@ import torch
 from sklearn.datasets import load_digits
 
 import hvcomm.torch as hvc
+from hvcomm import durable
 from hvcomm.torch import checkpoint, preemption
 import ddp_peer
 import report
@@ -266,11 +267,9 @@ def stop(ckpt_dir: Path, args, size: int, model, opt, progress: dict) -> None:
     hvc.mpi_comm().barrier()  # every rank's file is in place
     if rank == 0:
         got = sorted({signal.Signals(s).name for s in signals if s is not None})
-        marker = ckpt_dir / "preempted.json"
-        tmp = ckpt_dir / ".preempted.json.tmp"
-        tmp.write_text(json.dumps({"step": done, "size": size, "signals": got,
-                                   "ranks_signalled": sum(s is not None for s in signals)}))
-        os.replace(tmp, marker)
+        text = json.dumps({"step": done, "size": size, "signals": got,
+                           "ranks_signalled": sum(s is not None for s in signals)}).encode()
+        durable.write(ckpt_dir / "preempted.json", lambda f: f.write(text))
         print(f"[{args.method}] {'/'.join(got)} received: checkpoint of step {done} written by "
               f"all {size} ranks to {ckpt_dir}; stopping", flush=True)
 

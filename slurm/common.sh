@@ -1,7 +1,8 @@
 # Sourced by the batch scripts of this folder: the environment check and the job's header.
 # Needs: LAUNCH_CHECK (arguments of `python -m hvcomm.cluster.launch check`), NETWORK (words).
-# Sets: PY (the environment's python), TRAIN (the training script and its arguments); exports
-# the thread count, unbuffered output and HVCOMM_CHECKPOINT_DIR; prints the job's header, and
+# Sets: PY (the environment's python), TRAIN (the training script and its arguments), FORWARD
+# (mpirun's -x for each HVCOMM_* variable); exports the thread count, unbuffered output,
+# HVCOMM_CHECKPOINT_DIR and HVCOMM_OUTCOME_FILE; prints the job's header, and
 # its end on exit. Defines run_requeueable (below), which the batch scripts launch with.
 
 cd "${SLURM_SUBMIT_DIR:-.}"
@@ -36,6 +37,13 @@ cd "${SLURM_SUBMIT_DIR:-.}"
 # check after the limit (85 s into a 1-minute job). A requeued job waits cred_expire seconds
 # (AuthInfo; default 120 s, 10 s on the local Slurm), then a scheduler pass.
 export HVCOMM_CHECKPOINT_DIR=${HVCOMM_CHECKPOINT_DIR:-$PWD/results/slurm/ckpt-${SLURM_JOB_ID:-0}}
+# -- the job's own outcome -------------------------------------------------------------------------
+# mpirun can exit 0 after ranks or a node's daemon died (always under --with-ft ulfm), so its
+# status alone does not say that training finished. The ranks write this file as they end
+# (hvcomm.cluster.outcome: "completed" by rank 0 once every rank ended with status 0, or
+# "failed" with the reason); run_requeueable reports a failure, whatever the launcher returned,
+# when it does not say completed.
+export HVCOMM_OUTCOME_FILE="$HVCOMM_CHECKPOINT_DIR/outcome.json"
 
 # the traps are set now: a signal during the environment check must not end this shell unseen
 HVCOMM_SIGNAL="" HVCOMM_LAUNCHER=""
@@ -59,7 +67,7 @@ run_requeueable() {  # the launcher's command line
   # both written again by this run's ranks: listening once every rank has its handlers (a
   # SIGUSR1 before that would end the ranks, and a script that never writes it is left to
   # run), preempted.json once every rank has checkpointed
-  rm -f "$marker" "$listening"
+  rm -f "$marker" "$listening" "$HVCOMM_OUTCOME_FILE"
   if [ "$HVCOMM_SIGNAL" = USR1 ]; then
     echo "hvcomm: the time limit is near before the training started: requeued without it"
     requeue_self "the last checkpoint in $HVCOMM_CHECKPOINT_DIR, if any"
@@ -85,7 +93,9 @@ run_requeueable() {  # the launcher's command line
     if [ -n "$HVCOMM_SIGNAL" ]; then
       echo "hvcomm: SIG$HVCOMM_SIGNAL, and no checkpoint written by every rank (exit $rc)"
     fi
-    return "$rc"
+    local status=0  # the launcher's status, or 1 when it says 0 but the job did not complete
+    "$PY" -m hvcomm.cluster.outcome "$HVCOMM_OUTCOME_FILE" "$rc" || status=$?
+    return "$status"
   fi
   step=$(grep -o '"step": [0-9]*' "$marker" | grep -o '[0-9]*$' || echo "?")
   echo "hvcomm: checkpoint of step $step written by every rank ($marker)"
@@ -145,4 +155,10 @@ echo "restart: ${SLURM_RESTART_COUNT:-0}, checkpoints: $HVCOMM_CHECKPOINT_DIR"
 # the job's last line, however it ends: the time and the exit status
 trap 'rc=$?; echo "finished: $(date -u "+%Y-%m-%d %H:%M:%S UTC"), exit $rc"' EXIT
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} PYTHONUNBUFFERED=1
+# mpirun's -x for every HVCOMM_* variable (the outcome file, elastic settings): Open MPI passes
+# only OMPI_* variables to the other nodes by itself
+FORWARD=()
+for name in $(compgen -e); do
+  case "$name" in HVCOMM_*) FORWARD+=(-x "$name") ;; esac
+done
 

@@ -1,5 +1,6 @@
 """hvcomm.torch.elastic on MPI's fault tolerance: a job launched with ``mpirun --with-ft ulfm``
-loses ranks (SIGKILL, a whole emulated host's ranks, an escaping exception, two in a row) and
+loses ranks (SIGKILL; every rank of an emulated host, its daemon alive; an escaping exception
+with on_exception="leave"; two in a row) and
 finishes on the survivors with exactly the weights of a reference that trains on the old size
 up to the last commit and on the new size from that commit (two plain jobs joined by the
 committed state); below min_np every survivor stops with a clear error; without fault
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from hvcomm.cluster import launch, netem
+from hvcomm.cluster import launch, netem, outcome
 from mpi_launch import HERE
 
 SCRIPT = str(HERE / "mpi" / "elastic_train.py")
@@ -75,11 +76,13 @@ def last_commit_before(step):
     ("od-sgd", 3, "kill"), ("p3", 3, "kill")])
 def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
     """4 ranks, one ends mid-epoch (step 7 of 48, after its backward pass, while the others
-    wait for its gradients): the job finishes every epoch on 3 ranks, exit status 0, with the
+    wait for its gradients): SIGKILLed, or ("raise") an exception escapes with
+    on_exception="leave". The job finishes every epoch on 3 ranks, exit status 0, with the
     reference's weights (gTop-k: each survivor's residuals as of the commit). Losing rank 0
     renumbers the survivors and moves the source of sync() to the old rank 1."""
     fail_at = 7
-    proc = job(4, method, tmp_path / "a", "--fail", f"{victim}:{fail_at}:{how}")
+    proc = job(4, method, tmp_path / "a", "--fail", f"{victim}:{fail_at}:{how}",
+               env={"HVCOMM_ELASTIC_ON_EXCEPTION": "leave"} if how == "raise" else None)
     out = finished(proc, 3)
     assert "going on with 3 ranks" in out
     if how == "raise":
@@ -127,6 +130,66 @@ def test_an_exception_on_every_rank_ends_the_job_with_an_error(tmp_path):
     assert "cannot start" in out and "aborting the whole job" in out, out[-3000:]
 
 
+ENDINGS = str(HERE / "mpi" / "elastic_endings.py")
+
+
+def ending(n, mode, out, timeout=90):
+    """Run elastic_endings.py MODE on n ranks with fault tolerance and its outcome recorded:
+    (the job's status, why, mpirun's output, the record); it must end within ``timeout``."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = out / "outcome.json"
+    try:
+        status, why, proc = launch.run_job(n, [ENDINGS, mode, str(out)], record,
+                                           fault_tolerant=True, timeout=timeout,
+                                           env={"HVCOMM_TEST_EXPECT_SIZE": str(n)})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the job did not end in {timeout} s:\n{e.stdout}\n{e.stderr}"[-6000:])
+    return status, why, proc.stdout + proc.stderr, outcome.read(record)
+
+
+@pytest.mark.parametrize("who", ["all", "0"])
+def test_a_bug_inside_elastic_run_ends_the_job_with_its_error(tmp_path, who):
+    """A ValueError inside elastic.run, on every rank or on rank 0 alone, is not a process
+    failure: the whole job ends, non-zero, within 90 s, with the error in the log and in the
+    failure record (not one rank after another leaving as failed processes)."""
+    status, why, out, record = ending(3, f"bug:{who}", tmp_path)
+    assert status != 0, out[-3000:]
+    assert "ValueError: bug on rank" in out and "aborting the whole job" in out, out[-3000:]
+    assert "going on with" not in out, out[-3000:]
+    assert record["outcome"] == "failed" and "ValueError: bug on rank" in record["error"], record
+
+
+@pytest.mark.parametrize("how, status", [("raise", 3), ("exit", 4), ("hook", 1), ("caught", 0)])
+def test_survivors_exit_with_the_status_their_program_meant(tmp_path, how, status):
+    """Rank 2 of 3 is killed; the survivors finish and end with ``raise SystemExit(3)``,
+    ``exit(4)``, an uncaught exception under their own excepthook (1), or a caught SystemExit
+    (0). They end without MPI_Finalize (os._exit): the status must still be the program's,
+    the record must say completed only for 0, and each survivor's unflushed log line must be
+    in its file."""
+    got, why, out, record = ending(3, f"survive:{how}", tmp_path)
+    assert "going on with 2 ranks" in out, out[-3000:]
+    assert got == status, (why, out[-3000:])
+    assert record["outcome"] == ("completed" if status == 0 else "failed"), record
+    for rank in (0, 1):
+        assert (tmp_path / f"log.rank{rank}").read_text() == \
+            f"rank {rank} ended training with 2 ranks\n"
+
+
+def test_the_reset_limit_stops_the_job_with_a_clear_error(tmp_path):
+    """reset_limit=1: the first lost rank is survived, the second stops every survivor."""
+    status, why, out, record = ending(4, "limit", tmp_path)
+    assert "going on with 3 ranks" in out, out[-3000:]
+    assert status != 0 and out.count("would exceed reset_limit=1") == 2, out[-3000:]
+    assert record["outcome"] == "failed" and "reset_limit=1" in record["error"], record
+
+
+def test_ranks_that_disagree_on_min_np_stop_together(tmp_path):
+    status, why, out, record = ending(3, "disagree", tmp_path)
+    assert status != 0 and out.count("the ranks disagree on (min_np, reset_limit)") == 3, \
+        out[-3000:]
+    assert record["outcome"] == "failed", record
+
+
 def test_below_min_np_every_survivor_stops_with_a_clear_error(tmp_path):
     start = time.monotonic()
     proc = job(3, "none", tmp_path / "a", "--fail", "2:5",
@@ -150,7 +213,7 @@ def test_without_fault_tolerance_a_failure_ends_the_job(tmp_path):
 
 @pytest.mark.skipif(netem.unsupported_reason() is not None,
                     reason=f"no emulated hosts here: {netem.unsupported_reason()}")
-def test_a_lost_emulated_host_is_survived_exactly(tmp_path):
+def test_killing_every_rank_of_an_emulated_host_is_survived_exactly(tmp_path):
     """2 emulated hosts x 2 ranks at 1 Gbit/s; every rank of the second host is SIGKILLed at
     once (its Open MPI daemon stays: see hvcomm.torch.fault); the 2 ranks of the first host
     finish, and the job ends by itself with status 0. The reference's 4-rank part runs on the

@@ -3,6 +3,10 @@ check, before a batch job starts, that the environment matches the MPI it will l
 
     python -m hvcomm.cluster.launch check --mpirun PATH     # the ranks start under this mpirun
     python -m hvcomm.cluster.launch check --srun            # the ranks start under srun --mpi=pmix
+    python -m hvcomm.cluster.launch run -n 4 [--ft] train.py ARGS   # a job on this machine
+
+``run`` exits with the job's true status: mpirun's when it is not 0, else 0 only when the job
+recorded that it completed (:mod:`hvcomm.cluster.outcome`).
 
 (``hvcomm-launch-check ARGS`` is ``python -m hvcomm.cluster.launch check ARGS``.)
 """
@@ -16,8 +20,11 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from . import outcome
 
 
 def find_mpirun() -> str:
@@ -77,6 +84,20 @@ def run(n: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str
     """Run ``python -m mpi4py ARGV`` on n ranks of this machine."""
     return subprocess.run(mpirun_cmd(n, argv, mpi_args), env=mpi_env(env), timeout=timeout,
                           capture_output=capture, text=True)
+
+
+def run_job(n: int, argv: Sequence[str], outcome_file: Union[str, Path], *,
+            fault_tolerant: bool = False, timeout: Optional[float] = None,
+            env: Optional[Dict[str, str]] = None, mpi_args: Sequence[str] = (),
+            capture: bool = True) -> Tuple[int, str, subprocess.CompletedProcess]:
+    """Run a training script on n ranks of this machine with its outcome recorded in
+    ``outcome_file`` (removed first): (the job's status, why, the finished process)."""
+    Path(outcome_file).unlink(missing_ok=True)
+    env = mpi_env({**(env or {}), outcome.ENV: str(outcome_file)})
+    proc = subprocess.run(mpirun_cmd(n, argv, mpi_args, fault_tolerant), env=env,
+                          timeout=timeout, capture_output=capture, text=True)
+    status, why = outcome.verdict(outcome_file, proc.returncode)
+    return status, why, proc
 
 
 def mpi_library() -> str:
@@ -139,8 +160,11 @@ def environment_problem(mpirun: Optional[str] = None, srun: bool = False,
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        return run_main(argv[1:])
     ap = argparse.ArgumentParser(description="Check the environment a batch job will use.")
-    ap.add_argument("action", choices=["check"])
+    ap.add_argument("action", choices=["check", "run"])
     ap.add_argument("--mpirun", help="the mpirun the job launches its ranks with")
     ap.add_argument("--srun", action="store_true", help="the job launches with srun --mpi=pmix")
     ap.add_argument("--site-mpi", action="store_true",
@@ -152,6 +176,27 @@ def main(argv=None) -> int:
         return 2
     print(f"hvcomm: environment {sys.prefix}, {mpi_library()}")
     return 0
+
+
+def run_main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m hvcomm.cluster.launch run",
+        description="Run a training script on this machine's ranks; exit with the job's true "
+                    "status (failed when it did not record its completion).")
+    ap.add_argument("-n", "--np", type=int, required=True, help="number of ranks")
+    ap.add_argument("--ft", action="store_true",
+                    help="with MPI fault tolerance (mpirun --with-ft ulfm), for elastic scripts")
+    ap.add_argument("--outcome", default=None,
+                    help="where the job records its outcome (default: a temporary file)")
+    ap.add_argument("script", help="the training script")
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.outcome or str(Path(tmp) / "outcome.json")
+        status, why, _ = run_job(a.np, [a.script, *a.args], path, fault_tolerant=a.ft,
+                                 capture=False)
+    print(f"hvcomm: {why} (exit {status})", file=sys.stderr)
+    return status
 
 
 def check_main(argv=None) -> int:

@@ -1,19 +1,21 @@
 """Per-rank checkpoints that survive a rank killed mid-write, and the step every rank can resume.
 
 hvcomm's optimizer state differs between ranks (error-feedback residuals, delayed weights), so
-an exact resume needs one file per rank: ``DIR/step<S>.rank<R>.pt``. Each is written to a
-temporary name in DIR and renamed (``os.replace``), so a reader sees a whole file or none; a
-rank killed while writing leaves its previous checkpoint intact. ``newest_common`` (collective)
+an exact resume needs one file per rank: ``DIR/step<S>.rank<R>.pt``. Each is written
+durably (:mod:`hvcomm.durable`: a temporary name, fsync, rename, fsync of DIR), so a reader
+sees a whole file or none, and a rank or node killed while writing leaves its previous
+checkpoint intact. ``newest_common`` (collective)
 is the newest step that every rank has finished saving: the step to resume from.
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, List, Optional, Union
 
 import torch
+
+from .. import durable
 
 PathLike = Union[str, Path]
 
@@ -27,13 +29,13 @@ def path(directory: PathLike, step: int, rank: Optional[int] = None) -> Path:
 
 
 def save(directory: PathLike, step: int, state: Any, rank: Optional[int] = None) -> Path:
-    """Write this rank's ``state`` (anything ``torch.save`` takes) for ``step`` atomically;
-    not collective. Returns the file's path."""
+    """Write this rank's ``state`` (anything ``torch.save`` takes) for ``step`` atomically and
+    durably (:mod:`hvcomm.durable`), after removing the temporaries an earlier, killed write
+    of this rank left; not collective. Returns the file's path."""
     final = path(directory, step, rank)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, final)
-    return final
+    rank_suffix = final.name.split(".", 1)[1]  # rank<R>.pt
+    durable.remove_stale(final.parent, f".step*.{rank_suffix}.*.tmp")
+    return durable.write(final, lambda f: torch.save(state, f))
 
 
 def saved_steps(directory: PathLike, rank: Optional[int] = None) -> List[int]:

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
-from . import fault, timeline
+from . import ending, fault, timeline
 from .engine import Engine
 from .watchdog import Watchdog
 
@@ -50,10 +50,7 @@ def _horovod_initialized() -> bool:
 def _abort_on_uncaught(exc_type, exc, tb):
     """Print the error, then end every rank: one failing rank must not leave the rest hanging."""
     traceback.print_exception(exc_type, exc, tb)
-    sys.stderr.write(f"hvcomm: uncaught exception on rank {MPI.COMM_WORLD.Get_rank()}; "
-                     "aborting the whole job (HVCOMM_ABORT_ON_ERROR=0 disables this)\n")
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(1)
+    ending.abort_job(exc, " (HVCOMM_ABORT_ON_ERROR=0 disables this)")
 
 
 # glibc's malloc hands a large freed block back to the kernel (munmap, or trimming the heap), so
@@ -112,8 +109,7 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
         if hvd.size() != comm.Get_size():
             raise HvcommError(f"init: Horovod runs on {hvd.size()} ranks but the communicator has "
                               f"{comm.Get_size()}; pass the communicator Horovod was given")
-    if fault.enabled():  # first: a failure during init() must not end in MPI_Finalize
-        fault.install_ending(world)
+    ending.install(world)  # first: a failure during init() must not end in MPI_Finalize
     # each communicator is tracked as soon as it exists: a failure during init() revokes it
     fault.track(comm)
     user = comm.Dup()

@@ -11,29 +11,33 @@ no driver, no Gloo and no discovery script. Launch as usual, with fault toleranc
 
     train(hvd.elastic.TorchState(model, optimizer, epoch=0))
 
-When a process dies (SIGKILL, a lost node's ranks, an exception that escapes on one rank),
-the collective in flight raises :class:`ProcessFailure` (a ``HorovodInternalError``) on
-every survivor within seconds (hvcomm revokes its communicators: see
-:mod:`hvcomm.torch.fault`). :func:`run` then
+When a process dies (SIGKILL, a lost node's ranks), the collective in flight raises
+:class:`ProcessFailure` (a ``HorovodInternalError``) on every survivor within seconds (hvcomm
+revokes its communicators: see :mod:`hvcomm.torch.fault`). The survivors then agree
+(``MPI_Comm_agree``) whether a process of the job has failed; only then does :func:`run`
 
-1. shrinks the world to the survivors (``MPI_Comm_shrink``, which also makes them agree on
-   who failed) and stops if fewer than ``min_np`` are left (a clear error on every survivor);
-2. starts hvcomm again on them: engine, watchdog, negotiation, the global process set; every
+1. shrink the world to the survivors (``MPI_Comm_shrink``, which also makes them agree on
+   who failed) and stop if fewer than ``min_np`` are left, or if the job has been reset
+   ``reset_limit`` times already (a clear error on every survivor, a failed job);
+2. start hvcomm again on them: engine, watchdog, negotiation, the global process set; every
    DistributedOptimizer gets a new strategy for the new size (the cost fit and plans, gTop-k's
    tree, P3's readiness, the delayed state all start afresh; user process sets are
    dissolved);
-3. ``state.restore()``-s the last commit (this rank's own per-rank state included: see
-   :mod:`.state`), runs the reset callbacks, ``state.sync()``-s from rank 0, and calls the
+3. ``state.restore()`` the last commit (this rank's own per-rank state included: see
+   :mod:`.state`), run the reset callbacks, ``state.sync()`` from rank 0, and call the
    function again.
 
-A second failure, also during a recovery, is survived the same way. Without fault tolerance
-(no ``--with-ft ulfm``, or an MPI without ULFM) :func:`run` says so once when it starts, and a
-failure ends the job as always.
+A second failure, also during a recovery, is survived the same way. Any other exception
+(a bug, a bad batch) ends the whole job with a non-zero status and its message, whichever
+ranks raise it (``on_exception="leave"`` makes the raising rank leave as a failed process
+instead, and the others go on). Without fault tolerance (no ``--with-ft ulfm``, or an MPI
+without ULFM) :func:`run` says so once when it starts, and a failure ends the job as always.
 
 Growing back is not supported: the job only shrinks (``max_np`` is refused); see
-results/elastic.md for why. Losing a whole node is survived while Open MPI's daemon on it
-lives (the node's ranks are killed); when the daemon dies too, Open MPI 5's mpirun ends the
-job ("PRTE has lost communication with a remote daemon").
+results/elastic.md for why. The ranks of a node can be lost while Open MPI's daemon on it
+lives; when the daemon dies too (a node crash), Open MPI 5's mpirun ends the job ("PRTE has
+lost communication with a remote daemon") without a completion record, and the launcher
+reports a failure (:mod:`hvcomm.cluster.outcome`).
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from typing import Any, Callable, Optional
 
 from collectives.errors import HorovodInternalError, HvcommError, ProcessFailure
 
-from .. import fault
+from .. import ending, fault
 from .. import runtime as _runtime
 from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
@@ -61,12 +65,42 @@ failure), ``resumed`` (when the survivors had started again, before restore and 
 ``shrink_s``, ``reinit_s``, ``size`` (survivors)."""
 
 
+ON_EXCEPTION = ("abort", "leave")
+
+
 def _min_np(min_np: Optional[int]) -> int:
     if min_np is None:
         min_np = int(os.environ.get("HVCOMM_ELASTIC_MIN_NP", 1))
     if min_np < 1:
         raise HvcommError(f"min_np must be at least 1, got {min_np}")
     return min_np
+
+
+def _reset_limit(reset_limit: Optional[int]) -> Optional[int]:
+    if reset_limit is None and os.environ.get("HVCOMM_ELASTIC_RESET_LIMIT"):
+        reset_limit = int(os.environ["HVCOMM_ELASTIC_RESET_LIMIT"])
+    if reset_limit is not None and reset_limit < 0:
+        raise HvcommError(f"reset_limit must be at least 0 (or None: no limit), got {reset_limit}")
+    return reset_limit
+
+
+def _on_exception(on_exception: Optional[str]) -> str:
+    value = on_exception or os.environ.get("HVCOMM_ELASTIC_ON_EXCEPTION", "abort")
+    if value not in ON_EXCEPTION:
+        raise HvcommError(f"on_exception must be one of {ON_EXCEPTION}, got {value!r}")
+    return value
+
+
+def _agree_on_settings(min_np: int, reset_limit: Optional[int]) -> None:
+    """COLLECTIVE: every rank runs with the same min_np and reset_limit (they come from the
+    environment, which a launcher may not have given every host), else every rank raises."""
+    mine = (min_np, -1 if reset_limit is None else reset_limit)
+    every = _runtime.world().allgather(mine)
+    if len(set(every)) > 1:
+        raise HvcommError(
+            f"hvcomm elastic: the ranks disagree on (min_np, reset_limit): {sorted(set(every))} "
+            "(-1: no limit); pass them to run() in the script, or export HVCOMM_ELASTIC_MIN_NP "
+            "and HVCOMM_ELASTIC_RESET_LIMIT to every host (mpirun -x VAR)", everywhere=True)
 
 
 def _is_failure(error: BaseException) -> bool:
@@ -81,8 +115,9 @@ def _reset() -> None:
     rebuild_all(keep_state=True)
 
 
-def _recover(min_np: int, detected: float) -> None:
-    """Shrink to the survivors and start again on them (collective over the survivors)."""
+def _recover(min_np: int, reset_limit: Optional[int], resets: int, detected: float) -> None:
+    """Shrink to the survivors and start again on them (collective over the survivors):
+    ``resets`` counts this one."""
     fault.revoke()  # (where an error every rank raised revealed the failure: not yet done)
     world = _runtime.world()
     _runtime.shutdown()
@@ -95,6 +130,7 @@ def _recover(min_np: int, detected: float) -> None:
         raise HvcommError(f"hvcomm elastic: a process failed and {survivors.Get_size()} are left, "
                           f"fewer than min_np={min_np} (HVCOMM_ELASTIC_MIN_NP); the job stops",
                           everywhere=True)
+    _check_reset_limit(reset_limit, resets)
     t1 = time.perf_counter()
     _runtime.init()
     rebuild_all()
@@ -105,17 +141,35 @@ def _recover(min_np: int, detected: float) -> None:
               f"(recovery {len(recoveries)})", file=sys.stderr, flush=True)
 
 
+def _check_reset_limit(reset_limit: Optional[int], resets: int) -> None:
+    if reset_limit is not None and resets > reset_limit:
+        raise HvcommError(f"hvcomm elastic: reset {resets} would exceed reset_limit={reset_limit} "
+                          "(HVCOMM_ELASTIC_RESET_LIMIT); the job stops", everywhere=True)
+
+
 def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
-        max_np: Optional[int] = None):
+        max_np: Optional[int] = None, reset_limit: Optional[int] = None,
+        on_exception: Optional[str] = None):
     """Decorator: run ``func(state, ...)`` and go on after failures, as described in the
-    module. ``min_np`` (default env HVCOMM_ELASTIC_MIN_NP, else 1): fewer survivors stop the
-    job with an error on each of them. Usable as ``@run`` or ``@run(min_np=2)``."""
+    module. Usable as ``@run`` or ``@run(min_np=2)``.
+
+    - ``min_np`` (default env HVCOMM_ELASTIC_MIN_NP, else 1): fewer survivors stop the job.
+    - ``reset_limit`` (Horovod's name; default env HVCOMM_ELASTIC_RESET_LIMIT, else none):
+      the job stops at the reset (a recovery or a change of hosts) after this many.
+    - ``on_exception`` (default env HVCOMM_ELASTIC_ON_EXCEPTION, else ``"abort"``): what an
+      exception other than a process failure does: ``"abort"`` ends the whole job with an error;
+      ``"leave"`` ends the raising rank as a failed process and the others go on.
+
+    The ranks must agree on ``min_np`` and ``reset_limit`` (checked when the function starts).
+    """
     if func is None:
-        return functools.partial(run, min_np=min_np, max_np=max_np)
+        return functools.partial(run, min_np=min_np, max_np=max_np, reset_limit=reset_limit,
+                                 on_exception=on_exception)
     if max_np is not None:
         raise HvcommError("hvcomm elastic cannot add processes (max_np): the job only shrinks; "
                           "leave max_np out")
-    least = _min_np(min_np)
+    least, limit, leave = _min_np(min_np), _reset_limit(reset_limit), \
+        _on_exception(on_exception) == "leave"
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs) -> Any:
@@ -125,16 +179,19 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
             warnings.warn("hvcomm elastic: this job runs without MPI fault tolerance, so a failed "
                           "process ends it; launch with `mpirun --with-ft ulfm` (Open MPI 5) to "
                           "go on without it", stacklevel=2)
-        recovering, resetting, sync, detected = False, False, True, 0.0
+        _agree_on_settings(least, limit)
+        recovering, resetting, sync, detected, resets = False, False, True, 0.0, 0
         while True:
             try:
                 if resetting:  # here, so that a failure during the reset is met below
+                    _check_reset_limit(limit, resets)
                     _reset()
                     state.on_reset()
                     resetting = False
                 if recovering:
                     with fault.deadline():
-                        _recover(least, detected)
+                        _recover(least, limit, resets, detected)
+                    ending.watch_system_exit()  # this process will end without MPI_Finalize
                     state.restore()
                     state.on_reset()
                     recovering = False
@@ -142,20 +199,23 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                     state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
-                resetting, sync = True, not e.skip_sync
+                resetting, sync, resets = True, not e.skip_sync, resets + 1
             except Exception as e:  # noqa: BLE001 - only process failures are recovered from
                 # every survivor gets here with a failure, or with an error that every rank
                 # raises together (which a failure can cause); they agree on which it was
                 if not fault.enabled() or not (_is_failure(e) or getattr(e, "everywhere", False)):
-                    e.hvcomm_elastic = True  # escaping from here: this rank ends, not the job
+                    e.hvcomm_leave = leave  # escaping: ends the job (or this rank: "leave")
                     raise
                 detected = time.time()
                 if _is_failure(e):
                     fault.revoke()  # (a failure met in this thread): the others stop waiting
                 with fault.deadline():
                     failed = fault.failed_in(_runtime.world())
-                if not (failed or _is_failure(e)):
+                if not failed:
+                    if _is_failure(e):
+                        raise HvcommError(f"hvcomm elastic: MPI reported an error that looked "
+                                          f"like a process failure ({e}), but no process of "
+                                          "the job has failed; the job stops") from e
                     raise
-                recovering, resetting, sync = True, False, True
+                recovering, resetting, sync, resets = True, False, True, resets + 1
     return wrapper
-
