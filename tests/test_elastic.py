@@ -39,15 +39,21 @@ def finished(proc, size):
     return out
 
 
+_references = {}  # (method, sizes, commits): final weights, shared by the tests that need them
+
+
 def reference(tmp, method, sizes, commits):
     """Train on sizes[0] ranks up to commits[0], on sizes[1] from it up to commits[1], ...:
     each stage a plain job (no fault tolerance) that resumes the previous stage's commit."""
-    out = tmp / "reference"
-    for i, n in enumerate(sizes):
-        args = (["--resume"] if i else []) + (["--stop-at-commit", str(commits[i])]
-                                              if i < len(commits) else [])
-        finished(job(n, method, out, *args, ft=False), n)
-    return torch.load(out / "final.pt")
+    key = (method, tuple(sizes), tuple(commits))
+    if key not in _references:
+        out = tmp / "reference"
+        for i, n in enumerate(sizes):
+            args = (["--resume"] if i else []) + (["--stop-at-commit", str(commits[i])]
+                                                  if i < len(commits) else [])
+            finished(job(n, method, out, *args, ft=False), n)
+        _references[key] = torch.load(out / "final.pt")
+    return _references[key]
 
 
 def assert_same_weights(a_dir, expected):
@@ -73,7 +79,7 @@ def last_commit_before(step):
 
 @pytest.mark.parametrize("method, victim, how", [
     ("none", 3, "kill"), ("none", 3, "raise"), ("none", 0, "kill"), ("gtopk", 3, "kill"),
-    ("od-sgd", 3, "kill"), ("p3", 3, "kill")])
+    ("randomk", 3, "kill"), ("powersgd", 3, "kill"), ("od-sgd", 3, "kill"), ("p3", 3, "kill")])
 def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
     """4 ranks, one ends mid-epoch (step 7 of 48, after its backward pass, while the others
     wait for its gradients): SIGKILLed, or ("raise") an exception escapes with
@@ -91,6 +97,33 @@ def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
     assert seen[victim] == [4], seen
     assert all(seen[r] == [3, 4] for r in range(4) if r != victim), seen
     expected = reference(tmp_path, method, [4, 3], [last_commit_before(fail_at)])
+    assert_same_weights(tmp_path / "a", expected)
+
+
+def restored_steps(directory):
+    """The step each surviving rank restored in its recovery (from its reset callback)."""
+    restored = set()
+    for f in directory.glob("steps.rank*.jsonl"):
+        restored |= {json.loads(line)["restored"] for line in f.read_text().splitlines()
+                     if "restored" in line}
+    return restored
+
+
+@pytest.mark.parametrize("method", ["none", "gtopk", "randomk", "powersgd", "od-sgd", "p3"])
+@pytest.mark.parametrize("point", ["after", "commit"])
+def test_a_rank_killed_around_a_commit_is_survived_exactly(tmp_path, method, point):
+    """Rank 3 of 4 is killed in step 8, whose end is a commit: after its opt.step() (its
+    gradients sent), or inside the commit once it has saved it. The survivors must restore
+    the same commit (the newest they all have: 9 when the step completed everywhere, else 6),
+    and end with exactly the weights of the reference trained on 4 ranks to that commit and on
+    3 from it (the last rank: the survivors keep their ranks, and their residuals are the
+reference's ranks' own). Killed before its gradients are sent:
+test_a_lost_rank_is_survived_exactly."""
+    proc = job(4, method, tmp_path / "a", "--fail", f"3:8:{point}")
+    out = finished(proc, 3)
+    restored = restored_steps(tmp_path / "a")
+    assert len(restored) == 1 and restored <= {6, 9}, (restored, out[-3000:])
+    expected = reference(tmp_path, method, [4, 3], [restored.pop()])
     assert_same_weights(tmp_path / "a", expected)
 
 

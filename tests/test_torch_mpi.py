@@ -83,3 +83,10 @@ def test_at_one_to_three_ranks(test_file, timeout, n):
 def test_preemption_flag(n):
     """hvcomm.torch.preemption: one rank signalled, every rank told (tests/mpi/test_preemption.py)."""
     mpi_pytest(n, "test_preemption.py", timeout=120)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_elastic_state_agreement(n):
+    """The survivors restore the same commit; sync() sends hvcomm's global state
+    (tests/mpi/test_elastic_state.py)."""
+    mpi_pytest(n, "test_elastic_state.py", timeout=120)

@@ -111,12 +111,17 @@ def watch_system_exit() -> None:
 
     def on_outermost(frame, event, arg):
         global _leaving_status
-        if event == "exception" and issubclass(arg[0], SystemExit):
-            _leaving_status = arg[1].code if isinstance(arg[1], SystemExit) else None
+        if event == "exception":
+            if issubclass(arg[0], SystemExit):
+                _leaving_status = arg[1].code if isinstance(arg[1], SystemExit) else None
             frame.f_trace_lines = True  # the next line, if any, means it was caught
+            _keep_files()
         elif event == "line":
             _leaving_status = _UNSET
             frame.f_trace_lines = False
+            gc.enable()
+        elif event == "return":  # the program has ended
+            _keep_files()
         return on_outermost
 
     outermost.f_trace_lines = False
@@ -126,6 +131,14 @@ def watch_system_exit() -> None:
 
 def _no_trace(frame, event, arg):  # tracing on for this thread, no frame traced but one
     return None
+
+
+def _keep_files() -> None:
+    """The program is ending: from now until ``os._exit``, no garbage collection (which can
+    finalize an unreachable file after the buffer beneath it, losing the file's buffered
+    tail), and every open file flushed while still reachable."""
+    gc.disable()
+    flush_open_files()
 
 
 def describe(exc: BaseException) -> str:
@@ -184,6 +197,8 @@ def _at_exit() -> None:
     if _ended or world is None or MPI.Is_finalized() or not (survivor or path):
         return
     _ended = True
+    if survivor:
+        _keep_files()  # (already, when the program's end was seen leaving its outermost frame)
     status = intended_status()
     worst = _worst_status(world, status)
     if path is not None and world.Get_rank() == 0:

@@ -171,8 +171,10 @@ class _DistributedMixin:
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state plus hvcomm's own, under "hvcomm": the step counter,
-        this rank's error-feedback residuals by parameter name, and the delayed modes' state.
-        Residuals differ between ranks: save one checkpoint per rank to resume exactly."""
+        this rank's error-feedback residuals by parameter name, the compressor's state
+        (PowerSGD's Q factors) and the delayed modes' state. Only the residuals
+        (:data:`PER_RANK_STATE`) differ between ranks: save one checkpoint per rank to resume
+        exactly."""
         ours = self._strategy.state_dict()  # first: it may apply a pending (P3) update
         state = super().state_dict()
         state["hvcomm"] = ours
@@ -185,6 +187,11 @@ class _DistributedMixin:
         self._new_iteration()
         self._synchronized = False
         super().load_state_dict(state_dict)
+
+
+PER_RANK_STATE = ("residuals_by_param",)
+"""The entries of ``state_dict()["hvcomm"]`` that differ between ranks; the others are the
+same on every rank (elastic ``sync()`` sends them from rank 0)."""
 
 
 @functools.lru_cache(maxsize=None)

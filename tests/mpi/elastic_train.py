@@ -9,7 +9,9 @@ schedule: the script behind tests/test_elastic.py and scripts/bench_elastic.py.
 others wait for its gradients; ``how``: kill (SIGKILL, the default), host (SIGKILL to every
 rank on its node, itself last), daemon (SIGKILL to its parent, Open MPI's daemon on that
 node, then itself: a node crash), raise (an exception escapes), reset (SIGKILL in its reset
-callback, during the recovery from another failure; STEP is not used). ``--stop-at-commit S`` saves
+callback, during the recovery from another failure; STEP is not used), after (SIGKILL after
+the step's ``opt.step()``, its gradients sent), commit (SIGKILL inside the commit after the
+step, once this rank has saved it, before the commit's collective check). ``--stop-at-commit S`` saves
 each rank's committed state to OUT/commit.rank<R>.pt at the commit after step S and ends;
 ``--resume`` starts from those files instead of from scratch (rank R reads rank R's): the two
 make the reference for a failure, trained on the old size up to the commit and on the new size
@@ -116,6 +118,7 @@ def main():
     def on_reset():
         if WORLD_RANK in die_in_reset:
             fail("kill", node_pids)
+        log.write(json.dumps({"restored": state.step, "time": time.time()}) + "\n")
         rescale()
     state.register_reset_callbacks([on_reset])
     rescale()  # (a resumed optimizer has the learning rate of the size it was saved at)
@@ -131,8 +134,11 @@ def main():
                 if how is not None:
                     log.write(json.dumps({"failed": state.step, "time": time.time()}) + "\n")
                     log.flush()
-                    fail(how, node_pids)
+                    if how not in ("after", "commit"):
+                        fail(how, node_pids)
                 opt.step()
+                if how == "after":
+                    fail("kill", node_pids)
                 state.step += 1
                 sampler.record_batch(batch_idx, BATCH)
                 log.write(json.dumps({"step": state.step, "time": time.time(),
@@ -140,6 +146,10 @@ def main():
                 log.flush()
                 time.sleep(a.sleep)
                 if state.step % a.commit_every == 0:
+                    if how == "commit":  # what commit() does, up to its collective
+                        state.commit_id += 1
+                        state.save()
+                        fail("kill", node_pids)
                     state.commit()
                     if a.stop_at_commit is not None and state.step >= a.stop_at_commit:
                         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),

@@ -23,9 +23,9 @@ revokes its communicators: see :mod:`hvcomm.torch.fault`). The survivors then ag
    DistributedOptimizer gets a new strategy for the new size (the cost fit and plans, gTop-k's
    tree, P3's readiness, the delayed state all start afresh; user process sets are
    dissolved);
-3. ``state.restore()`` the last commit (this rank's own per-rank state included: see
-   :mod:`.state`), run the reset callbacks, ``state.sync()`` from rank 0, and call the
-   function again.
+3. restore the newest commit that every survivor has (this rank's own per-rank state
+   included: see :mod:`.state`), run the reset callbacks, ``state.sync()`` from rank 0 (the
+   step counter and global weights too), and call the function again.
 
 A second failure, also during a recovery, is survived the same way. Any other exception
 (a bug, a bad batch) ends the whole job with a non-zero status and its message, whichever
@@ -52,9 +52,10 @@ from collectives.errors import HorovodInternalError, HvcommError, ProcessFailure
 
 from .. import ending, fault
 from .. import runtime as _runtime
+from ..gather_ops import allgather_object
 from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
-from .state import HostsUpdatedInterrupt, ObjectState, State, TorchState
+from .state import KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, TorchState
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",
            "State", "TorchState", "run", "recoveries"]
@@ -141,6 +142,21 @@ def _recover(min_np: int, reset_limit: Optional[int], resets: int, detected: flo
               f"(recovery {len(recoveries)})", file=sys.stderr, flush=True)
 
 
+def _restore_agreed_commit(state: State) -> None:
+    """COLLECTIVE over the survivors: restore the newest commit that every one of them has
+    whole (they can be a commit apart: a collective can complete on some ranks and fail on
+    others, and a failure can interrupt a save)."""
+    if not isinstance(state, ObjectState):  # a user's State: its own restore(), one copy
+        state.restore()
+        return
+    every = allgather_object(sorted(state.kept_commits()))
+    common = set(every[0]).intersection(*every[1:])
+    if not common:
+        raise HvcommError(f"hvcomm elastic: the survivors keep no commit in common (each keeps "
+                          f"its {KEEP_COMMITS} newest: {every}); the job stops", everywhere=True)
+    state.restore(max(common))
+
+
 def _check_reset_limit(reset_limit: Optional[int], resets: int) -> None:
     if reset_limit is not None and resets > reset_limit:
         raise HvcommError(f"hvcomm elastic: reset {resets} would exceed reset_limit={reset_limit} "
@@ -192,7 +208,7 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                     with fault.deadline():
                         _recover(least, limit, resets, detected)
                     ending.watch_system_exit()  # this process will end without MPI_Finalize
-                    state.restore()
+                    _restore_agreed_commit(state)
                     state.on_reset()
                     recovering = False
                 if sync:

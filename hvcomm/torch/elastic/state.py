@@ -1,31 +1,68 @@
 """The state an elastic job commits, restores and synchronises (Horovod 0.28.1's names and
 semantics): :class:`State`, :class:`ObjectState`, :class:`TorchState`.
 
-- ``commit()``: ``save()`` a copy in host memory, then ``check_host_updates()``.
-- ``restore()``: back to the last commit (after a failure: on the survivors).
+- ``commit()``: ``save()`` a copy in host memory, numbered (:attr:`State.commit_id`), then
+  ``check_host_updates()``. The two newest commits are kept.
+- ``restore(commit_id=None)``: back to that commit (default the newest). After a failure the
+  survivors may be one commit apart (a step's collective can complete on some ranks and fail
+  on others, and only the first go on to commit): ``hvcomm.torch.elastic.run`` restores the
+  newest commit that every survivor has.
 - ``sync()``: every rank takes the lowest rank's state (rank 0 of the current world).
 
-What a DistributedOptimizer keeps per rank travels with its ``state_dict()`` (the "hvcomm"
-entry: step counter, this rank's error-feedback residuals, the delayed methods' global weights
-and pending average): a commit saves this rank's, ``restore()`` brings it back, ``sync()``
-leaves it alone (``broadcast_optimizer_state`` sends only the wrapped optimizer's state). A
-failed rank's residuals are lost with it.
+What a DistributedOptimizer keeps travels with its ``state_dict()`` (the "hvcomm" entry: step
+counter, this rank's error-feedback residuals, the compressor's and the delayed methods'
+state): a commit saves this rank's, ``restore()`` brings it back, and ``sync()`` sends rank
+0's, all but the residuals (``PER_RANK_STATE``), which stay each rank's own. A failed rank's
+residuals are lost with it.
 """
 from __future__ import annotations
 
 import copy
 import queue
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from collectives.errors import HvcommError
+
 from ..functions import broadcast_optimizer_state, broadcast_parameters
 from ..gather_ops import broadcast_object
+from ..optimizer import PER_RANK_STATE
 from ..runtime import rank
 from .sampler import ElasticSampler
 
 
 REMOVED, ADDED = 1, 2  # Horovod's HostUpdateResult flags (removed | added = mixed)
+KEEP_COMMITS = 2
+
+
+class Kept:
+    """The :data:`KEEP_COMMITS` newest saved copies of one thing, by commit number."""
+
+    def __init__(self):
+        self._by_id: Dict[int, Any] = {}
+
+    def put(self, commit_id: int, make: Callable[[Any], Any]) -> None:
+        """Save ``make(reuse)`` as ``commit_id``; ``reuse`` is the copy it replaces (the same
+        number saved again, or the oldest kept), whose buffers it may fill, or None."""
+        reuse = self._by_id.pop(commit_id, None)
+        if reuse is None and len(self._by_id) >= KEEP_COMMITS:
+            reuse = self._by_id.pop(min(self._by_id))
+        self._by_id[commit_id] = make(reuse)
+
+    def ids(self) -> set:
+        return set(self._by_id)
+
+    def get(self, commit_id: int) -> Any:
+        if commit_id not in self._by_id:
+            raise HvcommError(f"elastic state: commit {commit_id} is not kept (kept: "
+                              f"{sorted(self._by_id)})")
+        return self._by_id[commit_id]
+
+    def forget_newer(self, commit_id: int) -> None:
+        """After a restore of ``commit_id``: the commits after it are not the job's any more."""
+        for newer in [c for c in self._by_id if c > commit_id]:
+            del self._by_id[newer]
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -46,6 +83,8 @@ class State:
         self._host_messages: "queue.Queue[Tuple[int, int]]" = queue.Queue()
         self._last_updated_timestamp = 0
         self._reset_callbacks: List[Callable[[], None]] = []
+        self.commit_id = 0
+        """How many commits this state has made (the number its newest saved copy has)."""
 
     def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
         """Call these after every reset (ranks lost or added), e.g. to rescale the learning
@@ -66,6 +105,7 @@ class State:
     def commit(self) -> None:
         """Save the state (a copy in host memory), then check for host changes: raises
         :class:`HostsUpdatedInterrupt` on every rank when there are any. Collective."""
+        self.commit_id += 1
         self.save()
         self.check_host_updates()
 
@@ -87,7 +127,9 @@ class State:
     def save(self) -> None:
         raise NotImplementedError
 
-    def restore(self) -> None:
+    def restore(self, commit_id: Optional[int] = None) -> None:
+        """Back to commit ``commit_id`` (default: the newest); subclasses that keep one copy
+        only accept the newest."""
         raise NotImplementedError
 
     def sync(self) -> None:
@@ -105,12 +147,26 @@ class ObjectState(State):
         self._saved_state = kwargs
         self._set_attrs()
         super().__init__(bcast_object, get_rank)
+        self._kept_objects = Kept()
+        self._kept_objects.put(self.commit_id, lambda _: kwargs)
 
     def save(self) -> None:
         self._saved_state = {name: copy.deepcopy(getattr(self, name))
                              for name in self._saved_state}
+        self._kept_objects.put(self.commit_id, lambda _: self._saved_state)
 
-    def restore(self) -> None:
+    def kept_commits(self) -> set:
+        """The commits this rank can restore (saved whole: a failure can interrupt a save)."""
+        return self._kept_objects.ids()
+
+    def restore(self, commit_id: Optional[int] = None) -> None:
+        commit_id = self.commit_id if commit_id is None else commit_id
+        self._restore(commit_id)
+        self.commit_id = commit_id
+
+    def _restore(self, commit_id: int) -> None:
+        self._saved_state = self._kept_objects.get(commit_id)
+        self._kept_objects.forget_newer(commit_id)
         self._set_attrs()
 
     def sync(self) -> None:
@@ -148,23 +204,25 @@ def snapshot(value, previous=None):
 class _Handler:
     """How one kind of object is saved, restored and synchronised."""
 
-    def __init__(self, value):
+    def __init__(self, value, commit_id: int):
+        self.set_value(value, commit_id)
+
+    def set_value(self, value, commit_id: int) -> None:
         self.value = value
-        self._saved = None
-        self.save()
+        self._kept = Kept()
+        self.save(commit_id)
 
-    def set_value(self, value) -> None:
-        self.value = value
-        self._saved = None
-        self.save()
+    def save(self, commit_id: int) -> None:
+        self._kept.put(commit_id, lambda reuse: snapshot(self.value.state_dict(), reuse))
 
-    def save(self) -> None:
-        self._saved = snapshot(self.value.state_dict(), self._saved)
+    def kept_commits(self) -> set:
+        return self._kept.ids()
 
-    def restore(self) -> None:
+    def restore(self, commit_id: int) -> None:
         # a copy: load_state_dict may keep the tensors it is given (the optimizer's state),
         # which the next commit would then overwrite
-        self.value.load_state_dict(snapshot(self._saved))
+        self.value.load_state_dict(snapshot(self._kept.get(commit_id)))
+        self._kept.forget_newer(commit_id)
 
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
@@ -178,6 +236,12 @@ class _ModelHandler(_Handler):
 class _OptimizerHandler(_Handler):
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
+        state = self.value.state_dict()
+        ours = state.get("hvcomm")
+        if ours is not None:  # a DistributedOptimizer: rank 0's step counter, global weights...
+            shared = broadcast_object({k: v for k, v in ours.items() if k not in PER_RANK_STATE})
+            state["hvcomm"] = {**ours, **shared}
+            self.value.load_state_dict(state)
 
 
 # the first entry whose type an attribute has handles it; others are plain objects
@@ -189,8 +253,9 @@ HANDLERS: List[Tuple[type, type]] = [
 ]
 
 
-def _handler_for(value):
-    return next((handler(value) for kind, handler in HANDLERS if isinstance(value, kind)), None)
+def _handler_for(value, commit_id: int):
+    return next((handler(value, commit_id) for kind, handler in HANDLERS
+                 if isinstance(value, kind)), None)
 
 
 class TorchState(ObjectState):
@@ -205,7 +270,7 @@ class TorchState(ObjectState):
         handlers: Dict[str, _Handler] = {}
         plain = {}
         for name, value in kwargs.items():
-            handler = _handler_for(value)
+            handler = _handler_for(value, 0)
             if handler is None:
                 plain[name] = value
             else:
@@ -218,18 +283,22 @@ class TorchState(ObjectState):
     def __setattr__(self, name: str, value) -> None:
         handlers = self.__dict__.get("_handlers", {})
         if name in handlers:
-            handlers[name].set_value(value)
+            handlers[name].set_value(value, self.commit_id)
         super().__setattr__(name, value)
 
     def save(self) -> None:
         for handler in self._handlers.values():
-            handler.save()
+            handler.save(self.commit_id)
         super().save()
 
-    def restore(self) -> None:
+    def kept_commits(self) -> set:
+        return super().kept_commits().intersection(*(h.kept_commits()
+                                                     for h in self._handlers.values()))
+
+    def _restore(self, commit_id: int) -> None:
         for handler in self._handlers.values():
-            handler.restore()
-        super().restore()
+            handler.restore(commit_id)
+        super()._restore(commit_id)
 
     def sync(self) -> None:
         for handler in self._handlers.values():

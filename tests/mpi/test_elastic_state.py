@@ -1,0 +1,112 @@
+"""Elastic state after a failure, without killing anything (run at 3 ranks): the survivors
+restore the newest commit they all have, and sync() gives every rank rank 0's hvcomm state
+but its own residuals. The ranks' commits are made unequal on purpose, as a collective that
+completed on some ranks and failed on others would leave them."""
+import pytest
+import torch
+from mpi4py import MPI
+
+import hvcomm.torch as hvd
+from collectives.errors import HvcommError
+from hvcomm.torch.elastic import _restore_agreed_commit
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+@pytest.fixture(autouse=True)
+def started():
+    hvd.init()
+    yield
+
+
+def make_state(compression=hvd.Compression.none):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 5)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    return model, opt, hvd.elastic.TorchState(model, opt, epoch=0)
+
+
+def commit_without_collective(state, model, value):
+    """What commit() does on a rank, less its collective check for host changes: the state
+    numbered value, weights and epoch equal to value."""
+    with torch.no_grad():
+        model.weight.fill_(value)
+    state.epoch = value
+    state.commit_id += 1
+    state.save()
+    assert state.commit_id == value
+
+
+def test_the_survivors_restore_the_newest_commit_they_all_have():
+    model, opt, state = make_state()
+    made = [3, 2, 3][:SIZE] if SIZE > 1 else [3]
+    for value in range(1, made[RANK] + 1):
+        commit_without_collective(state, model, value)
+    with torch.no_grad():
+        model.weight.fill_(-7.0)  # the steps after the commits, lost with the failure
+    state.epoch = -7
+    _restore_agreed_commit(state)
+    expected = min(made)
+    assert state.commit_id == expected and state.epoch == expected
+    assert torch.equal(model.weight, torch.full((5, 6), float(expected)))
+    commit_without_collective(state, model, expected + 1)  # numbering goes on from there
+    state.restore()
+    assert state.epoch == expected + 1
+
+
+def test_a_commit_no_longer_kept_stops_every_rank():
+    if SIZE < 2:
+        pytest.skip("needs two ranks one commit apart")
+    model, opt, state = make_state()
+    for value in range(1, (1 if RANK == 1 else 4) + 1):  # 1 commit on rank 1, 4 elsewhere
+        commit_without_collective(state, model, value)
+    with pytest.raises(HvcommError, match=r"keep no commit in common"):
+        _restore_agreed_commit(state)
+
+
+def test_a_commit_saved_in_part_is_not_restored():
+    """A failure inside a commit's save (the optimizer's state_dict waits for a collective)
+    leaves that commit in part: every rank restores the one before."""
+    model, opt, state = make_state()
+    for value in (1, 2):
+        commit_without_collective(state, model, value)
+    if RANK == 0:  # commit 3 saved in part: the model's copy only
+        state.commit_id += 1
+        state._handlers["model"].save(state.commit_id)
+    _restore_agreed_commit(state)
+    assert state.commit_id == 2 and state.epoch == 2
+    assert torch.equal(model.weight, torch.full((5, 6), 2.0))
+
+
+def test_sync_gives_every_rank_rank_0s_hvcomm_state_and_keeps_its_residuals():
+    """PowerSGD at rank 1 (Q factors global, residuals per rank), two steps on each rank's own
+    data; then every rank but 0 has its step counter and Q factors overwritten. sync() must
+    bring back rank 0's step and Q, and leave each rank's residuals as they were."""
+    model, opt, state = make_state(hvd.Compression.powersgd(rank=1))
+    g = torch.Generator().manual_seed(RANK)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=g)).pow(2).sum().backward()
+        opt.step()
+    before = opt.state_dict()["hvcomm"]
+    rank0 = MPI.COMM_WORLD.bcast(before if RANK == 0 else None, root=0)
+    if RANK > 0:
+        spoiled = opt.state_dict()
+        spoiled["hvcomm"]["step"] = 99
+        spoiled["hvcomm"]["compressor"]["q"] = {k: torch.randn_like(q) for k, q in
+                                                spoiled["hvcomm"]["compressor"]["q"].items()}
+        opt.load_state_dict(spoiled)
+    state.sync()
+    after = opt.state_dict()["hvcomm"]
+    assert after["step"] == rank0["step"] == 2
+    assert after["compressor"]["q"].keys() == rank0["compressor"]["q"].keys()
+    for k, q in rank0["compressor"]["q"].items():
+        assert torch.equal(after["compressor"]["q"][k], q), k
+    mine = before["residuals_by_param"]
+    assert after["residuals_by_param"].keys() == mine.keys() and mine
+    for k, r in mine.items():
+        assert torch.equal(after["residuals_by_param"][k], r), k
+    residual_sums = MPI.COMM_WORLD.allgather(float(sum(r.abs().sum() for r in mine.values())))
+    assert SIZE == 1 or len(set(residual_sums)) == SIZE  # the residuals really are per rank
