@@ -107,6 +107,43 @@ run_requeueable() {  # the launcher's command line
   requeue_self "step $step"
 }
 
+# -- a lost node costs one relaunch (ELASTIC=1) ----------------------------------------------------
+# Open MPI 5's runtime cannot run through the loss of a node's daemon (a node crash): mpirun ends
+# the job. run_relaunching then asks each node of the allocation to run `true` (srun, 30 s); if
+# some do not answer, it launches again on those that do, down to HVCOMM_MIN_NODES (default 1),
+# and the elastic script goes on from the newest state every rank saved to disk
+# (HVCOMM_ELASTIC_SAVE_EVERY commits, default 1 here; hvcomm.torch.elastic). The batch scripts
+# ask Slurm not to end the job when a node fails (#SBATCH --no-kill). If every node answers,
+# the job failed by itself: no relaunch.
+run_relaunching() {  # mpirun, then its arguments without -n and --host, then the program
+  local mpirun=$1 per=${SLURM_NTASKS_PER_NODE:-1} least=${HVCOMM_MIN_NODES:-1} status node
+  shift
+  local nodes=() alive=() lost=() hosts
+  read -r -a nodes <<< "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\n' ' ')"
+  while true; do
+    hosts=$(printf "%s:$per," "${nodes[@]}")
+    status=0
+    run_requeueable "$mpirun" -n $(( ${#nodes[@]} * per )) --host "${hosts%,}" "$@" || status=$?
+    [ "$status" = 0 ] && return 0
+    alive=() lost=()
+    for node in "${nodes[@]}"; do
+      if timeout 30 srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap true >/dev/null 2>&1
+      then alive+=("$node"); else lost+=("$node"); fi
+    done
+    if [ ${#lost[@]} = 0 ]; then
+      echo "hvcomm: every node answers: the job failed by itself (exit $status); not relaunched"
+      return "$status"
+    fi
+    echo "hvcomm: $(date -u +%T) lost node(s) ${lost[*]}; ${#alive[@]} left (${alive[*]})"
+    if [ ${#alive[@]} -lt "$least" ]; then
+      echo "hvcomm: fewer nodes left than HVCOMM_MIN_NODES=$least: the job stops (exit $status)"
+      return "$status"
+    fi
+    nodes=("${alive[@]}")
+    echo "hvcomm: $(date -u +%T) relaunching on ${nodes[*]} from the newest state saved to disk"
+  done
+}
+
 requeue_self() {  # what the next run resumes from
   # scontrol requeue sends this shell SIGTERM too: ignored, so that the log gets its last lines
   trap '' TERM

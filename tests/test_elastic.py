@@ -355,3 +355,27 @@ print("OK")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, env=launch.mpi_env())
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(netem.unsupported_reason() is not None,
+                    reason=f"no emulated hosts here: {netem.unsupported_reason()}")
+def test_a_lost_daemon_ends_the_job_and_the_verdict_is_a_failure(tmp_path):
+    """2 emulated hosts x 1 rank; the second host's rank kills its parent, Open MPI's daemon
+    there, then itself (a node crash, as far as Open MPI can tell). mpirun ends the job, which
+    never recorded its completion: whatever mpirun's exit status, the verdict is a failure,
+    within 90 s."""
+    record = tmp_path / "outcome.json"
+    env = {outcome.ENV: str(record)}
+    with netem.EmulatedCluster(hosts=2, rate="1gbit") as cluster:
+        cmd = cluster.mpirun_cmd([SCRIPT, "none", str(tmp_path), "--fail", "1:7:daemon"],
+                                 fault_tolerant=True, env=env)
+        try:
+            proc = subprocess.run(cmd, env=cluster.mpirun_env(env), capture_output=True,
+                                  text=True, timeout=90)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the job did not end in 90 s:\n{e.stdout}\n{e.stderr}"[-6000:])
+    out = proc.stdout + proc.stderr
+    status, why = outcome.verdict(record, proc.returncode)
+    assert status != 0 and "OK size" not in out, (why, out[-3000:])
+    assert json.loads((tmp_path / "steps.rank1.jsonl").read_text().splitlines()[-1]) \
+        ["failed"] == 7, out[-3000:]  # the job ended because the daemon died where told to

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hvcomm.cluster import launch, netem, slurm_local
 
@@ -226,3 +227,48 @@ def test_elastic_job_loses_a_node_and_goes_on(slurm, tmp_path):
     assert sizes == {"steps.rank0.jsonl": [2, 4], "steps.rank1.jsonl": [2, 4],
                      "steps.rank2.jsonl": [4], "steps.rank3.jsonl": [4]}, sizes
     assert "exit 0" in log, log
+
+
+def test_elastic_job_relaunches_on_the_nodes_left_after_a_node_crash(slurm, tmp_path):
+    """ELASTIC=1 on 2 nodes x 1 rank, the elastic state saved to disk at every commit: node2
+    crashes mid-training (every process on it SIGKILLed: slurmd, Open MPI's daemon, its rank).
+    mpirun ends the job; the batch script finds node2 gone and launches again on node1, which
+    resumes from the newest commit on disk and finishes: COMPLETED, exit 0, with exactly the
+    weights of a reference that trains 2 ranks to that commit and 1 rank from it. (Last in
+    this file: node2's slurmd stays down until the local Slurm is started again.)"""
+    out, ckpt, log = tmp_path / "run", tmp_path / "ckpt", tmp_path / "job.out"
+    out.mkdir()
+    train = ["tests/mpi/elastic_train.py", "none", str(out), "--commit-every", "3"]
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", "--nodes=2",
+                           "--ntasks-per-node=1", "slurm/ethernet.sbatch", *train,
+                           "--sleep", "0.3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**slurm, "ELASTIC": "1",
+                                           "HVCOMM_CHECKPOINT_DIR": str(ckpt)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobid = proc.stdout.strip().split(";")[0]
+    steps = out / "steps.rank1.jsonl"  # the rank on node2
+    read = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+    wait_until("step 10 on node2", lambda: steps.exists() and
+               steps.read_text().count('"step"') >= 10, 240, read)
+    crashed_at = time.time()
+    assert slurm_local.crash_node(2) > 0
+    fields, text = finish_job(slurm, jobid, log, timeout=400)
+    assert fields["JobState"] == "COMPLETED" and text.rstrip().endswith("exit 0"), (fields, text)
+    assert "lost node(s) node2; 1 left (node1)" in text and "relaunching on node1" in text, text
+    resumed = re.findall(r"resumed from commit (\d+) on disk \(.*\) on 1 ranks", text)
+    assert len(resumed) == 1 and "OK size=1" in text, text
+    after = [json.loads(line) for line in (out / "steps.rank0.jsonl").read_text().splitlines()]
+    first = min(r["time"] for r in after if r.get("size") == 1)
+    print(f"from node2's crash to the first step on node1 alone: {first - crashed_at:.1f} s")
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    env = {"HVCOMM_ELASTIC_SAVE_EVERY": "1", "HVCOMM_CHECKPOINT_DIR": str(tmp_path / "ref")}
+    for n, args in ((2, ["--stop-at-commit-id", resumed[0]]), (1, [])):
+        ref = launch.run(n, [str(ROOT / train[0]), "none", str(reference), *train[3:], *args],
+                         timeout=300, env=env)
+        assert ref.returncode == 0 and f"OK size={n}" in ref.stdout, ref.stdout + ref.stderr
+    got, expected = (torch.load(d / "final.pt") for d in (out, reference))
+    assert got.keys() == expected.keys()
+    for k in got:
+        assert torch.equal(got[k], expected[k]), (k, (got[k] - expected[k]).abs().max())

@@ -120,16 +120,16 @@ def cleanup_stale(prefix: str = PREFIX) -> None:
     for line in listing:
         name = line.split(" ")[0]
         if name.startswith(prefix):
-            _kill_namespace_processes(name)
+            kill_namespace_processes(name)
             run_command("ip", "netns", "del", name, check=False)
 
 
-def _namespace_pids(ns: str) -> List[int]:
+def namespace_pids(ns: str) -> List[int]:
     return [int(pid) for pid in run_command("ip", "netns", "pids", ns, check=False).stdout.split()]
 
 
-def _kill_namespace_processes(ns: str) -> None:
-    for pid in _namespace_pids(ns):
+def kill_namespace_processes(ns: str) -> None:
+    for pid in namespace_pids(ns):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -246,7 +246,7 @@ class EmulatedCluster:
     def stop(self) -> None:
         """Kill every process on the hosts and remove them (the switch too)."""
         for i in range(self.hosts):
-            _kill_namespace_processes(self.namespace(i))
+            kill_namespace_processes(self.namespace(i))
         for name in [self.namespace(i) for i in range(self.hosts)] + [self.switch]:
             run_command("ip", "netns", "del", name, check=False)
         if self._agent_dir:
@@ -303,7 +303,7 @@ class EmulatedCluster:
 
     def processes(self) -> List[int]:
         """The processes running on the emulated hosts now."""
-        return [pid for i in range(self.hosts) for pid in _namespace_pids(self.namespace(i))]
+        return [pid for i in range(self.hosts) for pid in namespace_pids(self.namespace(i))]
 
 
 _FORWARD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH",

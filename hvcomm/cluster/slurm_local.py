@@ -236,6 +236,19 @@ def down(quiet: bool = False) -> None:
         print("local Slurm down")
 
 
+def crash_node(i: int) -> int:
+    """A node crash: SIGKILL every process on emulated node ``i`` (1-based: slurmd, job
+    steps, Open MPI's daemon, the ranks). Its slurmd stays down until the next ``up``.
+    Returns how many processes were killed."""
+    info = json.loads((STATE / "cluster.json").read_text())
+    if not 1 <= i <= info["nodes"]:
+        raise HvcommError(f"no node{i}: the local Slurm has node1..node{info['nodes']}")
+    namespace = _cluster(info["nodes"], info["rate"]).namespace(i - 1)
+    killed = netem.namespace_pids(namespace)
+    netem.kill_namespace_processes(namespace)
+    return len(killed)
+
+
 def status() -> int:
     if not (STATE / "cluster.json").exists():
         print("local Slurm: down")

@@ -31,8 +31,9 @@ def path(directory: PathLike, step: int, rank: Optional[int] = None) -> Path:
 def save(directory: PathLike, step: int, state: Any, rank: Optional[int] = None) -> Path:
     """Write this rank's ``state`` (anything ``torch.save`` takes) for ``step`` atomically and
     durably (:mod:`hvcomm.durable`), after removing the temporaries an earlier, killed write
-    of this rank left; not collective. Returns the file's path."""
+    of this rank left (DIR is made if need be); not collective. Returns the file's path."""
     final = path(directory, step, rank)
+    final.parent.mkdir(parents=True, exist_ok=True)
     rank_suffix = final.name.split(".", 1)[1]  # rank<R>.pt
     durable.remove_stale(final.parent, f".step*.{rank_suffix}.*.tmp")
     return durable.write(final, lambda f: torch.save(state, f))

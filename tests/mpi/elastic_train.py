@@ -15,7 +15,8 @@ step, once this rank has saved it, before the commit's collective check). ``--st
 each rank's committed state to OUT/commit.rank<R>.pt at the commit after step S and ends;
 ``--resume`` starts from those files instead of from scratch (rank R reads rank R's): the two
 make the reference for a failure, trained on the old size up to the commit and on the new size
-from it. Each rank logs every completed step to OUT/steps.rank<R>.jsonl (step, time, size);
+from it. ``--stop-at-commit-id C`` ends after the commit numbered C (with
+HVCOMM_ELASTIC_SAVE_EVERY, hvcomm's own copy on disk is the one a rerun resumes from). Each rank logs every completed step to OUT/steps.rank<R>.jsonl (step, time, size);
 rank 0 writes the final weights to OUT/final.pt and prints "OK size=N steps=S".
 """
 import argparse
@@ -79,6 +80,8 @@ def main():
     ap.add_argument("--commit-every", type=int, default=3)
     ap.add_argument("--fail", nargs="*", default=[])
     ap.add_argument("--stop-at-commit", type=int, default=None)
+    ap.add_argument("--stop-at-commit-id", type=int, default=None,
+                    help="end after the commit numbered this (state.commit_id)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (no value changes)")
     a = ap.parse_args()
@@ -126,6 +129,7 @@ def main():
 
     @hvd.elastic.run
     def train(state):
+        print(f"training from step {state.step} on {hvd.size()} ranks", flush=True)
         while state.epoch < a.epochs:
             for batch_idx, (x, y) in enumerate(loader):
                 opt.zero_grad()
@@ -151,6 +155,8 @@ def main():
                         state.save()
                         fail("kill", node_pids)
                     state.commit()
+                    if a.stop_at_commit_id is not None and state.commit_id >= a.stop_at_commit_id:
+                        return False
                     if a.stop_at_commit is not None and state.step >= a.stop_at_commit:
                         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                     "sampler": sampler.state_dict(), "epoch": state.epoch,
@@ -159,6 +165,8 @@ def main():
             state.epoch += 1
             sampler.set_epoch(state.epoch)
             state.commit()
+            if a.stop_at_commit_id is not None and state.commit_id >= a.stop_at_commit_id:
+                return False
         return True
 
     finished = train(state)

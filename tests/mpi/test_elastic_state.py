@@ -110,3 +110,39 @@ def test_sync_gives_every_rank_rank_0s_hvcomm_state_and_keeps_its_residuals():
         assert torch.equal(after["residuals_by_param"][k], r), k
     residual_sums = MPI.COMM_WORLD.allgather(float(sum(r.abs().sum() for r in mine.values())))
     assert SIZE == 1 or len(set(residual_sums)) == SIZE  # the residuals really are per rank
+
+
+@pytest.fixture
+def on_disk(monkeypatch):
+    """Elastic state to disk at every commit, in a directory every rank shares."""
+    import tempfile
+    directory = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="hvcomm-elastic-")
+                                     if RANK == 0 else None)
+    monkeypatch.setenv("HVCOMM_ELASTIC_SAVE_EVERY", "1")
+    monkeypatch.setenv("HVCOMM_CHECKPOINT_DIR", directory)
+    yield directory
+    MPI.COMM_WORLD.barrier()
+
+
+def test_a_relaunched_job_resumes_from_the_newest_commit_every_rank_saved(on_disk):
+    """Commits 1-3 on disk (rank 1 only up to 2, as if it died saving 3); a new job (a fresh
+    model and optimizer) starts from commit 2 on every rank: weights, epoch, numbering."""
+    model, opt, state = make_state()
+    for value in range(1, (2 if RANK == 1 else 3) + 1):
+        commit_without_collective(state, model, value)
+        state._save_to_disk_if_due()
+    model, opt, state = make_state()
+    assert state.resume_from_disk() == (2 if SIZE > 1 else 3)
+    expected = 2 if SIZE > 1 else 3
+    assert state.commit_id == expected and state.epoch == expected
+    assert torch.equal(model.weight, torch.full((5, 6), float(expected)))
+
+
+def test_another_jobs_state_on_disk_is_refused(on_disk):
+    model, opt, state = make_state()
+    commit_without_collective(state, model, 1)
+    state._save_to_disk_if_due()
+    torch.manual_seed(0)
+    other = hvd.elastic.TorchState(torch.nn.Linear(6, 5), step=0)  # no optimizer, no epoch
+    with pytest.raises(HvcommError, match="another job's state"):
+        other.resume_from_disk()

@@ -37,7 +37,10 @@ Growing back is not supported: the job only shrinks (``max_np`` is refused); see
 results/elastic.md for why. The ranks of a node can be lost while Open MPI's daemon on it
 lives; when the daemon dies too (a node crash), Open MPI 5's mpirun ends the job ("PRTE has
 lost communication with a remote daemon") without a completion record, and the launcher
-reports a failure (:mod:`hvcomm.cluster.outcome`).
+reports a failure (:mod:`hvcomm.cluster.outcome`). That is survived by a relaunch on the nodes
+left (slurm/ethernet.sbatch with ELASTIC=1): with ``HVCOMM_ELASTIC_SAVE_EVERY`` the ranks save
+their commits to disk, and :func:`run` starts from the newest one every rank has (see
+:mod:`.state`).
 """
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ from .. import runtime as _runtime
 from ..gather_ops import allgather_object
 from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
-from .state import KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, TorchState
+from .state import (KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, TorchState,
+                    saved_on_disk)
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",
            "State", "TorchState", "run", "recoveries"]
@@ -196,6 +200,14 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                           "process ends it; launch with `mpirun --with-ft ulfm` (Open MPI 5) to "
                           "go on without it", stacklevel=2)
         _agree_on_settings(least, limit)
+        if isinstance(state, ObjectState):
+            resumed = state.resume_from_disk()
+            if resumed is not None:
+                if _runtime.rank() == 0:
+                    print(f"hvcomm elastic: resumed from commit {resumed} on disk "
+                          f"({saved_on_disk()[0]}) on {_runtime.size()} ranks",
+                          file=sys.stderr, flush=True)
+                state.on_reset()  # a relaunch is a reset: the callbacks see the new size
         recovering, resetting, sync, detected, resets = False, False, True, 0.0, 0
         while True:
             try:

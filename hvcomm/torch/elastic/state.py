@@ -8,6 +8,12 @@ semantics): :class:`State`, :class:`ObjectState`, :class:`TorchState`.
   on others, and only the first go on to commit): ``hvcomm.torch.elastic.run`` restores the
   newest commit that every survivor has.
 - ``sync()``: every rank takes the lowest rank's state (rank 0 of the current world).
+- On disk (``HVCOMM_ELASTIC_SAVE_EVERY=N`` with ``HVCOMM_CHECKPOINT_DIR``): every N-th commit
+  each rank also writes its copy to ``$HVCOMM_CHECKPOINT_DIR/elastic`` (one file per rank,
+  the two newest kept; :mod:`hvcomm.torch.checkpoint`), and ``hvcomm.torch.elastic.run``
+  starts from the newest commit there that every rank of the new job has: a job relaunched
+  after losing a node (slurm/common.sh) goes on from it, on as many ranks as are left (rank r
+  takes rank r's copy).
 
 What a DistributedOptimizer keeps travels with its ``state_dict()`` (the "hvcomm" entry: step
 counter, this rank's error-feedback residuals, the compressor's and the delayed methods'
@@ -18,22 +24,41 @@ residuals are lost with it.
 from __future__ import annotations
 
 import copy
+import os
 import queue
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from collectives.errors import HvcommError
 
+from .. import checkpoint
 from ..functions import broadcast_optimizer_state, broadcast_parameters
 from ..gather_ops import broadcast_object
 from ..optimizer import PER_RANK_STATE
-from ..runtime import rank
+from ..runtime import mpi_comm, rank
 from .sampler import ElasticSampler
 
 
 REMOVED, ADDED = 1, 2  # Horovod's HostUpdateResult flags (removed | added = mixed)
 KEEP_COMMITS = 2
+
+
+def saved_on_disk() -> Optional[Tuple[Path, int]]:
+    """(the directory, every how many commits) elastic state goes to disk, or None (the
+    environment: HVCOMM_ELASTIC_SAVE_EVERY, HVCOMM_CHECKPOINT_DIR)."""
+    every = os.environ.get("HVCOMM_ELASTIC_SAVE_EVERY", "")
+    if every in ("", "0"):
+        return None
+    if not every.isdigit():
+        raise HvcommError(f"HVCOMM_ELASTIC_SAVE_EVERY must be a whole number of commits, got "
+                          f"{every!r}")
+    base = os.environ.get("HVCOMM_CHECKPOINT_DIR")
+    if not base:
+        raise HvcommError("HVCOMM_ELASTIC_SAVE_EVERY is set but HVCOMM_CHECKPOINT_DIR is not: "
+                          "say where the elastic state goes (a shared file system)")
+    return Path(base) / "elastic", int(every)
 
 
 class Kept:
@@ -107,6 +132,7 @@ class State:
         :class:`HostsUpdatedInterrupt` on every rank when there are any. Collective."""
         self.commit_id += 1
         self.save()
+        self._save_to_disk_if_due()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -126,6 +152,10 @@ class State:
 
     def save(self) -> None:
         raise NotImplementedError
+
+    def _save_to_disk_if_due(self) -> None:
+        """Every N-th commit, this rank's copy to disk (see the module); states that cannot
+        say what they hold (a user's State) are not saved."""
 
     def restore(self, commit_id: Optional[int] = None) -> None:
         """Back to commit ``commit_id`` (default: the newest); subclasses that keep one copy
@@ -158,6 +188,38 @@ class ObjectState(State):
     def kept_commits(self) -> set:
         """The commits this rank can restore (saved whole: a failure can interrupt a save)."""
         return self._kept_objects.ids()
+
+    def _save_to_disk_if_due(self) -> None:
+        where = saved_on_disk()
+        if where is None or self.commit_id % where[1]:
+            return
+        checkpoint.save(where[0], self.commit_id, self._copy_of(self.commit_id))
+        checkpoint.prune(where[0], keep=KEEP_COMMITS)
+
+    def _copy_of(self, commit_id: int) -> Dict[str, Any]:
+        """What this rank has kept of commit ``commit_id``, as one picklable dict."""
+        return {"objects": self._kept_objects.get(commit_id)}
+
+    def _keep(self, commit_id: int, copy_of: Dict[str, Any]) -> None:
+        """Keep ``copy_of`` (a :meth:`_copy_of` read from disk) as commit ``commit_id``."""
+        if set(copy_of["objects"]) != set(self._saved_state):
+            raise HvcommError(f"the elastic state on disk holds {sorted(copy_of['objects'])}, "
+                              f"this state {sorted(self._saved_state)}: another job's state? "
+                              "Point HVCOMM_CHECKPOINT_DIR elsewhere")
+        self._kept_objects.put(commit_id, lambda _: copy_of["objects"])
+
+    def resume_from_disk(self) -> Optional[int]:
+        """COLLECTIVE: restore the newest commit on disk that every rank has (see the
+        module); the commit's number, or None (nothing saved, or not saving)."""
+        where = saved_on_disk()
+        if where is None:
+            return None
+        commit_id = checkpoint.newest_common(where[0], mpi_comm())
+        if commit_id is None:
+            return None
+        self._keep(commit_id, checkpoint.load(where[0], commit_id))
+        self.restore(commit_id)
+        return commit_id
 
     def restore(self, commit_id: Optional[int] = None) -> None:
         commit_id = self.commit_id if commit_id is None else commit_id
@@ -217,6 +279,12 @@ class _Handler:
 
     def kept_commits(self) -> set:
         return self._kept.ids()
+
+    def kept(self, commit_id: int):
+        return self._kept.get(commit_id)
+
+    def keep(self, commit_id: int, saved) -> None:
+        self._kept.put(commit_id, lambda _: saved)
 
     def restore(self, commit_id: int) -> None:
         # a copy: load_state_dict may keep the tensors it is given (the optimizer's state),
@@ -294,6 +362,19 @@ class TorchState(ObjectState):
     def kept_commits(self) -> set:
         return super().kept_commits().intersection(*(h.kept_commits()
                                                      for h in self._handlers.values()))
+
+    def _copy_of(self, commit_id: int) -> Dict[str, Any]:
+        return {**super()._copy_of(commit_id),
+                "handlers": {name: h.kept(commit_id) for name, h in self._handlers.items()}}
+
+    def _keep(self, commit_id: int, copy_of: Dict[str, Any]) -> None:
+        if set(copy_of.get("handlers", {})) != set(self._handlers):
+            raise HvcommError(f"the elastic state on disk holds {sorted(copy_of['handlers'])}, "
+                              f"this state {sorted(self._handlers)}: another job's state? "
+                              "Point HVCOMM_CHECKPOINT_DIR elsewhere")
+        super()._keep(commit_id, copy_of)
+        for name, handler in self._handlers.items():
+            handler.keep(commit_id, copy_of["handlers"][name])
 
     def _restore(self, commit_id: int) -> None:
         for handler in self._handlers.values():
