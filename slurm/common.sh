@@ -1,7 +1,7 @@
 # Sourced by the batch scripts of this folder: the environment check and the job's header.
 # Needs: LAUNCH_CHECK (arguments of `python -m hvcomm.cluster.launch check`), NETWORK (words).
-# Sets: PY (the environment's python), TRAIN (the training script and its arguments), FORWARD
-# (mpirun's -x for each HVCOMM_* variable); exports the thread count, unbuffered output,
+# Sets: PY (the environment's python), TRAIN (the training script and its arguments), nodes_per
+# (ranks per node), FORWARD (mpirun's -x for each HVCOMM_* variable); exports the thread count, unbuffered output,
 # HVCOMM_CHECKPOINT_DIR and HVCOMM_OUTCOME_FILE; prints the job's header, and
 # its end on exit. Defines run_requeueable (below), which the batch scripts launch with.
 
@@ -109,26 +109,36 @@ run_requeueable() {  # the launcher's command line
 
 # -- a lost node costs one relaunch (ELASTIC=1) ----------------------------------------------------
 # Open MPI 5's runtime cannot run through the loss of a node's daemon (a node crash): mpirun ends
-# the job. run_relaunching then asks each node of the allocation to run `true` (srun, 30 s); if
-# some do not answer, it launches again on those that do, down to HVCOMM_MIN_NODES (default 1),
-# and the elastic script goes on from the newest state every rank saved to disk
-# (HVCOMM_ELASTIC_SAVE_EVERY commits, default 1 here; hvcomm.torch.elastic). The batch scripts
-# ask Slurm not to end the job when a node fails (#SBATCH --no-kill). If every node answers,
-# the job failed by itself: no relaunch.
+# the job. run_relaunching then asks each node of the allocation to run `true` (srun, all at
+# once, 30 s); if some do not answer, it launches again on those that do, down to
+# HVCOMM_MIN_NODES (default 1), and the elastic script goes on from the newest state every rank
+# saved to disk (HVCOMM_ELASTIC_SAVE_EVERY commits, default 1 here; hvcomm.torch.elastic). Slurm
+# ends a job whose node fails unless it was submitted with `sbatch --no-kill`. No relaunch when
+# every node answers (the job failed by itself) or after a signal (run_requeueable has dealt
+# with it: a requeue, a preemption or a cancel).
 run_relaunching() {  # mpirun, then its arguments without -n and --host, then the program
-  local mpirun=$1 per=${SLURM_NTASKS_PER_NODE:-1} least=${HVCOMM_MIN_NODES:-1} status node
+  local mpirun=$1 least=${HVCOMM_MIN_NODES:-1} status node i
   shift
-  local nodes=() alive=() lost=() hosts
+  local nodes=() alive=() lost=() probes=() hosts
   read -r -a nodes <<< "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\n' ' ')"
   while true; do
-    hosts=$(printf "%s:$per," "${nodes[@]}")
+    hosts=$(printf "%s:$nodes_per," "${nodes[@]}")
     status=0
-    run_requeueable "$mpirun" -n $(( ${#nodes[@]} * per )) --host "${hosts%,}" "$@" || status=$?
+    run_requeueable "$mpirun" -n $(( ${#nodes[@]} * nodes_per )) --host "${hosts%,}" "$@" \
+      || status=$?
     [ "$status" = 0 ] && return 0
-    alive=() lost=()
+    if [ -n "$HVCOMM_SIGNAL" ]; then
+      echo "hvcomm: SIG$HVCOMM_SIGNAL: not relaunched (exit $status)"
+      return "$status"
+    fi
+    probes=()
     for node in "${nodes[@]}"; do
-      if timeout 30 srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap true >/dev/null 2>&1
-      then alive+=("$node"); else lost+=("$node"); fi
+      timeout 30 srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap true >/dev/null 2>&1 &
+      probes+=($!)
+    done
+    alive=() lost=()
+    for i in "${!nodes[@]}"; do
+      if wait "${probes[$i]}"; then alive+=("${nodes[$i]}"); else lost+=("${nodes[$i]}"); fi
     done
     if [ ${#lost[@]} = 0 ]; then
       echo "hvcomm: every node answers: the job failed by itself (exit $status); not relaunched"
@@ -192,6 +202,9 @@ echo "restart: ${SLURM_RESTART_COUNT:-0}, checkpoints: $HVCOMM_CHECKPOINT_DIR"
 # the job's last line, however it ends: the time and the exit status
 trap 'rc=$?; echo "finished: $(date -u "+%Y-%m-%d %H:%M:%S UTC"), exit $rc"' EXIT
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} PYTHONUNBUFFERED=1
+if [ "${ELASTIC:-0}" = 1 ]; then  # a relaunch after a lost node resumes from this state
+  export HVCOMM_ELASTIC_SAVE_EVERY=${HVCOMM_ELASTIC_SAVE_EVERY:-1}
+fi
 # mpirun's -x for every HVCOMM_* variable (the outcome file, elastic settings): Open MPI passes
 # only OMPI_* variables to the other nodes by itself
 FORWARD=()

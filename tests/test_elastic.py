@@ -172,9 +172,9 @@ def ending(n, mode, out, timeout=90):
     out.mkdir(parents=True, exist_ok=True)
     record = out / "outcome.json"
     try:
-        status, why, proc = launch.run_job(n, [ENDINGS, mode, str(out)], record,
-                                           fault_tolerant=True, timeout=timeout,
-                                           env={"HVCOMM_TEST_EXPECT_SIZE": str(n)})
+        status, why, proc = launch.run_with_outcome(n, [ENDINGS, mode, str(out)], record,
+                                                    fault_tolerant=True, timeout=timeout,
+                                                    env={"HVCOMM_TEST_EXPECT_SIZE": str(n)})
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the job did not end in {timeout} s:\n{e.stdout}\n{e.stderr}"[-6000:])
     return status, why, proc.stdout + proc.stderr, outcome.read(record)
@@ -195,8 +195,9 @@ def test_a_bug_inside_elastic_run_ends_the_job_with_its_error(tmp_path, who):
 @pytest.mark.parametrize("how, status", [("raise", 3), ("exit", 4), ("hook", 1), ("caught", 0)])
 def test_survivors_exit_with_the_status_their_program_meant(tmp_path, how, status):
     """Rank 2 of 3 is killed; the survivors finish and end with ``raise SystemExit(3)``,
-    ``exit(4)``, an uncaught exception under their own excepthook (1), or a caught SystemExit
-    (0). They end without MPI_Finalize (os._exit): the status must still be the program's,
+    ``exit(4)``, an uncaught exception under their own excepthook (1), or a SystemExit caught
+    at the top level (0); each leaves through a top-level ``finally``. They end without
+    MPI_Finalize (os._exit): the status must still be the program's,
     the record must say completed only for 0, and each survivor's unflushed log line must be
     in its file."""
     got, why, out, record = ending(3, f"survive:{how}", tmp_path)
@@ -221,6 +222,23 @@ def test_ranks_that_disagree_on_min_np_stop_together(tmp_path):
     assert status != 0 and out.count("the ranks disagree on (min_np, reset_limit)") == 3, \
         out[-3000:]
     assert record["outcome"] == "failed", record
+
+
+def test_a_job_that_starts_below_min_np_stops_with_a_clear_error(tmp_path):
+    status, why, out, record = ending(3, "few", tmp_path)
+    assert status != 0 and out.count("starts on 3 ranks, fewer than min_np=4") == 3, out[-3000:]
+    assert record["outcome"] == "failed", record
+
+
+def test_an_earlier_jobs_outcome_record_is_removed_when_hvcomm_starts(tmp_path):
+    """A record left by an earlier job must not stand for this one, whose ranks all vanish
+    after init() without writing one: hvcomm removes it, so the verdict is a failure."""
+    record = tmp_path / "outcome.json"
+    outcome.write(record, outcome.COMPLETED, size=3)
+    proc = launch.run(3, [ENDINGS, "vanish", str(tmp_path)], timeout=90,
+                      env={outcome.ENV: str(record), "HVCOMM_TEST_EXPECT_SIZE": "3"})
+    assert not record.exists(), proc.stdout + proc.stderr
+    assert outcome.verdict(record, 0)[0] == 1
 
 
 def test_below_min_np_every_survivor_stops_with_a_clear_error(tmp_path):

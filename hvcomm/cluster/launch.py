@@ -86,10 +86,10 @@ def run(n: int, argv: Sequence[str], timeout: float, env: Optional[Dict[str, str
                           capture_output=capture, text=True)
 
 
-def run_job(n: int, argv: Sequence[str], outcome_file: Union[str, Path], *,
-            fault_tolerant: bool = False, timeout: Optional[float] = None,
-            env: Optional[Dict[str, str]] = None, mpi_args: Sequence[str] = (),
-            capture: bool = True) -> Tuple[int, str, subprocess.CompletedProcess]:
+def run_with_outcome(n: int, argv: Sequence[str], outcome_file: Union[str, Path], *,
+                     fault_tolerant: bool = False, timeout: Optional[float] = None,
+                     env: Optional[Dict[str, str]] = None, mpi_args: Sequence[str] = (),
+                     capture: bool = True) -> Tuple[int, str, subprocess.CompletedProcess]:
     """Run a training script on n ranks of this machine with its outcome recorded in
     ``outcome_file`` (removed first): (the job's status, why, the finished process)."""
     Path(outcome_file).unlink(missing_ok=True)
@@ -193,8 +193,8 @@ def run_main(argv: Sequence[str]) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = a.outcome or str(Path(tmp) / "outcome.json")
-        status, why, _ = run_job(a.np, [a.script, *a.args], path, fault_tolerant=a.ft,
-                                 capture=False)
+        status, why, _ = run_with_outcome(a.np, [a.script, *a.args], path,
+                                          fault_tolerant=a.ft, capture=False)
     print(f"hvcomm: {why} (exit {status})", file=sys.stderr)
     return status
 

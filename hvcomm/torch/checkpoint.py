@@ -4,8 +4,8 @@ hvcomm's optimizer state differs between ranks (error-feedback residuals, delaye
 an exact resume needs one file per rank: ``DIR/step<S>.rank<R>.pt``. Each is written
 durably (:mod:`hvcomm.durable`: a temporary name, fsync, rename, fsync of DIR), so a reader
 sees a whole file or none, and a rank or node killed while writing leaves its previous
-checkpoint intact. ``newest_common`` (collective)
-is the newest step that every rank has finished saving: the step to resume from.
+checkpoint intact. ``newest_common`` (collective) is the newest step that every rank has
+finished saving: the step to resume from.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, List, Optional, Union
 
 import torch
+
+from collectives.errors import HvcommError
 
 from .. import durable
 
@@ -54,16 +56,23 @@ def saved_steps(directory: PathLike, rank: Optional[int] = None) -> List[int]:
 
 def newest_common(directory: PathLike, comm=None) -> Optional[int]:
     """COLLECTIVE over ``comm`` (default hvcomm's communicator): the newest step that every
-    rank has saved, i.e. the minimum over the ranks of each rank's newest; None when some rank
-    has none. (The ranks save at the same steps, every step or every N, so the others have that
-    step too.)"""
-    from mpi4py import MPI
+    rank has saved; None when no rank has saved any. When some rank has saved steps but no step
+    is saved by every rank (a job started on more ranks than saved them, or lost files), every
+    rank raises :class:`HvcommError`."""
     if comm is None:
         from .runtime import mpi_comm
         comm = mpi_comm()
-    mine = saved_steps(directory, comm.Get_rank())
-    common = comm.allreduce(mine[-1] if mine else -1, op=MPI.MIN)
-    return None if common < 0 else common
+    every = comm.allgather(saved_steps(directory, comm.Get_rank()))
+    if not any(every):
+        return None
+    common = set(every[0]).intersection(*every[1:])
+    if not common:
+        have = {r: steps for r, steps in enumerate(every) if steps}
+        raise HvcommError(
+            f"{directory}: no step is saved by every one of the {len(every)} ranks (saved: "
+            f"{have}; ranks missing from it have none): was it saved by fewer ranks? Start on "
+            "as many ranks as saved it, or from an empty directory", everywhere=True)
+    return max(common)
 
 
 def prune(directory: PathLike, keep: int = 2, rank: Optional[int] = None) -> None:

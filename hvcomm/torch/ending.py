@@ -6,24 +6,29 @@ recorded for the launcher (:mod:`hvcomm.cluster.outcome`).
   ``hvcomm.torch.elastic.run`` the same holds, unless the job opted in to letting that rank
   leave as a failed process (``run(on_exception="leave")``). ``HVCOMM_ABORT_ON_ERROR=0`` turns
   the abort off where there is no fault tolerance.
-- At exit every rank waits for the others (under ``HVCOMM_EXIT_DEADLINE_S``, default 120 s) and
+- At exit every rank waits for the others (under ``HVCOMM_EXIT_DEADLINE_S``, default 600 s) and
   learns the largest exit status among them; rank 0 of the final world records ``completed``
   when every status is 0, else ``failed``. Only when a launcher asked for the record
   (``HVCOMM_OUTCOME_FILE``), or after a survived failure.
-- A process that survived a failure must not call ``MPI_Finalize``: Open MPI 5's finalize waits
-  in a PMIx fence that a failure can leave unfinished for ever (measured: always when a host has
-  lost all its ranks, whose daemon has gone; now and then on one node too, 1 of 18 runs). It
-  ends with ``os._exit`` after the others, once every open Python file is flushed; atexit
-  handlers registered before ``hvcomm.torch.init()`` do not run then.
+  Rank 0 removes a record left by an earlier job when hvcomm starts.
+- A process that met a failure (also during that last wait) must not call ``MPI_Finalize``:
+  Open MPI 5's finalize waits in a PMIx fence that a failure can leave unfinished for ever
+  (measured: always when a host has lost all its ranks, whose daemon has gone; now and then on
+  one node too, 1 of 18 runs). It ends with ``os._exit`` after the others, once every open
+  Python file is flushed; atexit handlers registered before ``hvcomm.torch.init()`` do not run
+  then.
 
 The exit status a program means: ``sys.exit(n)``, the built-in ``exit(n)``/``quit(n)``, an
 uncaught exception (1, whatever ``sys.excepthook`` is), and after a survived failure also a
 bare ``raise SystemExit(n)`` (a trace on the main thread's outermost frame sees it leave).
+Without a failure, a bare ``raise SystemExit(n)`` is not seen: the record can say
+``completed``, but the process exits ``n`` and the launcher's non-zero status wins.
 """
 from __future__ import annotations
 
 import atexit
 import builtins
+import dis
 import faulthandler
 import gc
 import io
@@ -33,7 +38,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -41,7 +46,7 @@ from mpi4py import MPI
 from ..cluster import outcome
 from . import fault
 
-EXIT_DEADLINE_S = float(os.environ.get("HVCOMM_EXIT_DEADLINE_S", 120))
+EXIT_DEADLINE_S = float(os.environ.get("HVCOMM_EXIT_DEADLINE_S", 600))
 """How long a rank that has ended its program waits for the others before it ends anyway."""
 # seconds between the ranks' MPI_Abort calls under fault tolerance
 ABORT_STAGGER_S = 0.5
@@ -50,23 +55,26 @@ _UNSET = object()
 _requested_status: object = _UNSET   # sys.exit / exit / quit's argument, last call
 _leaving_status: object = _UNSET     # the SystemExit leaving the main frame (after a failure)
 _world_of: Optional[Callable[[], MPI.Comm]] = None
+_previous_excepthook = None  # the sys.excepthook hvcomm's replaced
 _ended = False
 
 
 def install(world_of: Callable[[], MPI.Comm]) -> None:
     """Once per process, from ``hvcomm.torch.init()``: remember how the program asks to exit,
-    end the process as described in the module, and under fault tolerance abort the job on an
-    uncaught exception. ``world_of()`` gives the communicator of the final world."""
+    end the process as described in the module, and abort the job on an uncaught exception
+    (:func:`abort_on_uncaught`). ``world_of()`` gives the communicator hvcomm ran on last (the
+    final world at exit). Rank 0 removes an outcome record left by an earlier job."""
     global _world_of
     if _world_of is not None:
         return
     _world_of = world_of
+    path = outcome.requested()
+    if path is not None and world_of().Get_rank() == 0:
+        path.unlink(missing_ok=True)  # an earlier job's record must not stand for this one
     sys.exit = _recording(sys.exit)
     for name in ("exit", "quit"):  # site's helpers raise SystemExit themselves
         if callable(getattr(builtins, name, None)):
             setattr(builtins, name, _recording(getattr(builtins, name)))
-    if fault.enabled():
-        sys.excepthook = _uncaught_under_fault_tolerance
     atexit.register(_at_exit)
 
 
@@ -101,8 +109,12 @@ def intended_status() -> int:
 
 def watch_system_exit() -> None:
     """See a bare ``raise SystemExit(n)`` leave the main thread's outermost frame (call on the
-    main thread; after a failure, when this process will end with ``os._exit``). Frames other
-    than that one are not traced: the cost is one empty call per Python function call."""
+    main thread; after a failure, when this process will end with ``os._exit``): the frame's
+    ``exception`` events say which exception went through it last, and its ``return`` event
+    whether it left by returning (a caught one) or by that exception (also through a
+    ``finally``). Frames other than that one are not traced, but tracing is on for the main
+    thread: each Python call pays one empty trace call, and CPython runs its instrumented
+    (slower) bytecode loop; see results/elastic.md for what that costs a training step."""
     if sys.gettrace() is not None:  # a debugger or coverage: leave its trace alone
         return
     outermost = sys._getframe()
@@ -110,23 +122,22 @@ def watch_system_exit() -> None:
         outermost = outermost.f_back
 
     def on_outermost(frame, event, arg):
-        global _leaving_status
+        global _leaving_status, _requested_status
         if event == "exception":
-            if issubclass(arg[0], SystemExit):
-                _leaving_status = arg[1].code if isinstance(arg[1], SystemExit) else None
-            frame.f_trace_lines = True  # the next line, if any, means it was caught
-            _keep_files()
-        elif event == "line":
-            _leaving_status = _UNSET
-            frame.f_trace_lines = False
-            gc.enable()
+            _leaving_status = arg[1].code if isinstance(arg[1], SystemExit) else _UNSET
         elif event == "return":  # the program has ended
+            if dis.opname[frame.f_code.co_code[frame.f_lasti]] in _RETURNS:
+                # a normal end: whatever went through was caught
+                _leaving_status = _requested_status = _UNSET
             _keep_files()
         return on_outermost
 
     outermost.f_trace_lines = False
     outermost.f_trace = on_outermost
     sys.settrace(_no_trace)
+
+
+_RETURNS = ("RETURN_VALUE", "RETURN_CONST")  # the instructions a frame returns normally by
 
 
 def _no_trace(frame, event, arg):  # tracing on for this thread, no frame traced but one
@@ -172,6 +183,24 @@ def abort_job(exc: BaseException, why: str) -> None:
     MPI.COMM_WORLD.Abort(1)
 
 
+def abort_on_uncaught(enable: bool) -> None:
+    """Install (or, with False, take back) hvcomm's ``sys.excepthook``: under fault tolerance
+    always (the caller passes True), else when ``init(abort_on_error)`` asks and more than one
+    rank runs."""
+    global _previous_excepthook
+    if enable and _previous_excepthook is None:
+        hook = _uncaught_under_fault_tolerance if fault.enabled() else _uncaught
+        _previous_excepthook, sys.excepthook = sys.excepthook, hook
+    elif not enable and _previous_excepthook is not None:
+        sys.excepthook, _previous_excepthook = _previous_excepthook, None
+
+
+def _uncaught(exc_type, exc, tb) -> None:
+    """Print the error, then end every rank: one failing rank must not leave the rest hanging."""
+    traceback.print_exception(exc_type, exc, tb)
+    abort_job(exc, " (HVCOMM_ABORT_ON_ERROR=0 disables this)")
+
+
 def _uncaught_under_fault_tolerance(exc_type, exc, tb) -> None:
     traceback.print_exception(exc_type, exc, tb)
     if getattr(exc, "everywhere", False):  # every rank raises it together: a clean error exit
@@ -191,27 +220,29 @@ def _uncaught_under_fault_tolerance(exc_type, exc, tb) -> None:
 
 def _at_exit() -> None:
     global _ended
-    world = _world_of() if _world_of is not None else None
-    survivor = fault.survived() and not MPI.Is_finalized()
     path = outcome.requested()
-    if _ended or world is None or MPI.Is_finalized() or not (survivor or path):
+    after_failure = fault.failures_met() > 0
+    if _ended or _world_of is None or MPI.Is_finalized() or not (after_failure or path):
         return
     _ended = True
-    if survivor:
+    world = _world_of()
+    if after_failure:
         _keep_files()  # (already, when the program's end was seen leaving its outermost frame)
     status = intended_status()
-    worst = _worst_status(world, status)
+    worst, failure = _worst_status(world, status)
     if path is not None and world.Get_rank() == 0:
-        _record_outcome(path, world, status, worst)
-    if survivor:
+        _record_outcome(path, world, status, worst, failure)
+    if after_failure or failure is not None:
         logging.shutdown()
         flush_open_files()
         os._exit(status)
 
 
-def _worst_status(world: MPI.Comm, status: int) -> Optional[int]:
+def _worst_status(world: MPI.Comm, status: int) -> Tuple[Optional[int], Optional[str]]:
     """COLLECTIVE over ``world``, under :data:`EXIT_DEADLINE_S`: the largest exit status among
-    its ranks; None when not every rank arrived in time (or a further failure)."""
+    its ranks, None when not every rank arrived in time; and the process failure met on the
+    way, or None. (Past the deadline, ``MPI_Finalize`` waits for the late ranks all the same;
+    after a failure this process must not call it.)"""
     mine, worst = np.array([status], np.int64), np.zeros(1, np.int64)
     try:
         request = world.Iallreduce(mine, worst, op=MPI.MAX)
@@ -221,23 +252,26 @@ def _worst_status(world: MPI.Comm, status: int) -> Optional[int]:
                 sys.stderr.write(f"hvcomm: rank {world.Get_rank()} has ended its program; the "
                                  f"others did not within {EXIT_DEADLINE_S:.0f} s "
                                  "(HVCOMM_EXIT_DEADLINE_S)\n")
-                return None
+                return None, None
             time.sleep(0.01)
-    except MPI.Exception:  # a further failure at the very end
-        return None
-    return int(worst[0])
+    except MPI.Exception as e:  # a process failed as the job ended
+        return None, f"a process failed as the ranks ended their programs: {e}"
+    return int(worst[0]), None
 
 
-def _record_outcome(path, world: MPI.Comm, status: int, worst: Optional[int]) -> None:
+def _record_outcome(path, world: MPI.Comm, status: int, worst: Optional[int],
+                    failure: Optional[str]) -> None:
     try:
         if worst == 0:
             outcome.write(path, outcome.COMPLETED, size=world.Get_size(),
-                          failures_survived=fault.survived())
+                          failures_survived=fault.failures_met())
             return
-        if outcome.read(path) is not None and outcome.read(path).get("outcome") == outcome.FAILED:
+        earlier = outcome.read(path)
+        if earlier is not None and earlier.get("outcome") == outcome.FAILED:
             return  # the rank that gave up has said why
         error = (describe(sys.last_value) if getattr(sys, "last_value", None) is not None
                  else f"rank 0 ended with status {status}" if status
+                 else failure if failure is not None
                  else "a rank ended with a non-zero status" if worst
                  else f"not every rank ended within {EXIT_DEADLINE_S:.0f} s")
         outcome.write(path, outcome.FAILED, error=error, size=world.Get_size())

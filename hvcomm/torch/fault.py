@@ -74,7 +74,7 @@ def untrack_all() -> None:
     _generation += 1
 
 
-def survived() -> int:
+def failures_met() -> int:
     """How many process failures this process has met and gone on from (0: none)."""
     return _failures
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import traceback
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -29,7 +28,7 @@ class Runtime:
 
 _runtime: Optional[Runtime] = None
 _world: Optional[MPI.Comm] = None  # init()'s default once a failure has shrunk COMM_WORLD
-_previous_excepthook = None
+_ran_on: Optional[MPI.Comm] = None  # the world of the latest init()
 _shutdown_hooks: List[Callable[[], None]] = []
 
 
@@ -45,12 +44,6 @@ def _horovod_initialized() -> bool:
         return bool(hvd is not None and hvd.is_initialized())
     except Exception:  # noqa: BLE001 - an unusable Horovod counts as not initialised
         return False
-
-
-def _abort_on_uncaught(exc_type, exc, tb):
-    """Print the error, then end every rank: one failing rank must not leave the rest hanging."""
-    traceback.print_exception(exc_type, exc, tb)
-    ending.abort_job(exc, " (HVCOMM_ABORT_ON_ERROR=0 disables this)")
 
 
 # glibc's malloc hands a large freed block back to the kernel (munmap, or trimming the heap), so
@@ -87,12 +80,14 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     default is MPI.COMM_WORLD, or the survivors of it after :mod:`hvcomm.torch.elastic` has
     gone on without a failed process.
     ``abort_on_error`` (default: env HVCOMM_ABORT_ON_ERROR, else True) installs an excepthook
-    that aborts the whole job on an uncaught exception when more than one rank runs.
+    that aborts the whole job on an uncaught exception when more than one rank runs. Under
+    fault tolerance (``mpirun --with-ft ulfm``) it is ignored: the hook is always installed
+    (see :mod:`hvcomm.torch.ending`).
     ``stall_check_s`` (env HVCOMM_STALL_CHECK_S, default 60) and ``stall_shutdown_s``
     (HVCOMM_STALL_SHUTDOWN_S, default off): see :mod:`hvcomm.torch.watchdog`.
     Calling init again with the same communicator does nothing.
     """
-    global _runtime, _previous_excepthook
+    global _runtime, _ran_on
     if _runtime is not None:
         return
     keep_freed_memory()
@@ -109,7 +104,8 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
         if hvd.size() != comm.Get_size():
             raise HvcommError(f"init: Horovod runs on {hvd.size()} ranks but the communicator has "
                               f"{comm.Get_size()}; pass the communicator Horovod was given")
-    ending.install(world)  # first: a failure during init() must not end in MPI_Finalize
+    _ran_on = comm
+    ending.install(ran_on)  # first: a failure during init() must not end in MPI_Finalize
     # each communicator is tracked as soon as it exists: a failure during init() revokes it
     fault.track(comm)
     user = comm.Dup()
@@ -129,9 +125,8 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     _runtime = Runtime(user, local, cross, engine, threshold, comm)
     if abort_on_error is None:
         abort_on_error = os.environ.get("HVCOMM_ABORT_ON_ERROR", "1") != "0"
-    if (not fault.enabled() and abort_on_error and MPI.COMM_WORLD.Get_size() > 1
-            and _previous_excepthook is None):  # (with fault tolerance: fault's excepthook)
-        _previous_excepthook, sys.excepthook = sys.excepthook, _abort_on_uncaught
+    ending.abort_on_uncaught(fault.enabled()
+                             or (abort_on_error and MPI.COMM_WORLD.Get_size() > 1))
     if os.environ.get("HVCOMM_TIMELINE"):
         start_timeline(os.environ["HVCOMM_TIMELINE"])
     atexit.register(shutdown)
@@ -139,7 +134,7 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
 
 def shutdown() -> None:
     """Stop the engine and free hvcomm's communicators. init() may be called again later."""
-    global _runtime, _previous_excepthook
+    global _runtime
     if _runtime is None:
         return
     rt = _runtime
@@ -162,8 +157,13 @@ def shutdown() -> None:
         for c in (watchdog.comm, rt.engine.comm, rt.cross_comm, rt.local_comm, rt.comm):
             c.Free()
     fault.untrack_all()
-    if _previous_excepthook is not None:
-        sys.excepthook, _previous_excepthook = _previous_excepthook, None
+    if not fault.enabled():  # (under fault tolerance the hook stays: see hvcomm.torch.ending)
+        ending.abort_on_uncaught(False)
+
+
+def ran_on() -> MPI.Comm:
+    """The communicator hvcomm runs on, or ran on last (the job's final world at exit)."""
+    return _runtime.world if _runtime is not None else _ran_on
 
 
 def world() -> MPI.Comm:

@@ -4,10 +4,14 @@
   rank 0 alone (the job must end with an error);
 - ``survive:HOW``: world rank 2 is SIGKILLed at step 2, the others finish and then end with
   HOW: ``raise`` (``raise SystemExit(3)``), ``exit`` (the built-in ``exit(4)``), ``hook`` (an
-  uncaught KeyError under a replaced ``sys.excepthook``), ``caught`` (a SystemExit(5) caught,
-  then a normal end); each survivor leaves an unflushed line in OUT_DIR/log.rank<R>;
+  uncaught KeyError under a replaced ``sys.excepthook``), ``caught`` (a SystemExit(5) caught
+  at the top level, then a normal end); each survivor leaves an unflushed line in
+  OUT_DIR/log.rank<R>; the top level runs ``main`` in a try/except/finally, so each SystemExit
+  leaves through a ``finally``;
 - ``limit``: world ranks 2 and 1 are SIGKILLed at steps 1 and 3 with ``reset_limit=1``;
-- ``disagree``: rank 0 asks for ``min_np=1``, the others for 2.
+- ``disagree``: rank 0 asks for ``min_np=1``, the others for 2;
+- ``few``: every rank asks for ``min_np=4`` (the job has 3);
+- ``vanish``: every rank ends at once after ``hvcomm.torch.init()``, with ``os._exit(0)``.
 """
 import os
 import signal
@@ -28,13 +32,16 @@ def main(mode: str, out: Path) -> None:
     expect = os.environ.get("HVCOMM_TEST_EXPECT_SIZE")
     if expect and int(expect) != hvd.size():
         raise SystemExit(f"expected {expect} ranks, mpirun started {hvd.size()}")
+    if kind == "vanish":
+        hvd.barrier()  # rank 0 has dealt with the outcome record by now
+        os._exit(0)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, opt, step=0)
     kills = {"survive": {2: 2}, "limit": {1: 2, 3: 1}}.get(kind, {})  # step: world rank
-    settings = {"limit": {"reset_limit": 1},
+    settings = {"limit": {"reset_limit": 1}, "few": {"min_np": 4},
                 "disagree": {"min_np": 1 if WORLD_RANK == 0 else 2}}.get(kind, {})
     log = open(out / f"log.rank{WORLD_RANK}", "w")
 
@@ -62,11 +69,14 @@ def main(mode: str, out: Path) -> None:
         sys.excepthook = lambda *exc: sys.stderr.write(f"my hook: {exc[1]!r}\n")
         raise KeyError("after the hook")
     if arg == "caught":
-        try:
-            raise SystemExit(5)
-        except SystemExit:
-            pass
+        raise SystemExit(5)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    try:
+        main(sys.argv[1], Path(sys.argv[2]))
+    except SystemExit as leaving:
+        if leaving.code != 5:  # "caught": the program ends normally
+            raise
+    finally:
+        ENDED = True  # a line that runs while the SystemExit leaves

@@ -11,12 +11,12 @@ rank on its node, itself last), daemon (SIGKILL to its parent, Open MPI's daemon
 node, then itself: a node crash), raise (an exception escapes), reset (SIGKILL in its reset
 callback, during the recovery from another failure; STEP is not used), after (SIGKILL after
 the step's ``opt.step()``, its gradients sent), commit (SIGKILL inside the commit after the
-step, once this rank has saved it, before the commit's collective check). ``--stop-at-commit S`` saves
-each rank's committed state to OUT/commit.rank<R>.pt at the commit after step S and ends;
+step, once this rank has saved it, before the commit's collective check). 
+``--stop-at-commit S`` saves each rank's committed state to OUT/commit.rank<R>.pt at the
+commit after step S and ends (``--stop-at-commit-id C``: after the commit numbered C);
 ``--resume`` starts from those files instead of from scratch (rank R reads rank R's): the two
 make the reference for a failure, trained on the old size up to the commit and on the new size
-from it. ``--stop-at-commit-id C`` ends after the commit numbered C (with
-HVCOMM_ELASTIC_SAVE_EVERY, hvcomm's own copy on disk is the one a rerun resumes from). Each rank logs every completed step to OUT/steps.rank<R>.jsonl (step, time, size);
+from it. Each rank logs every completed step to OUT/steps.rank<R>.jsonl (step, time, size);
 rank 0 writes the final weights to OUT/final.pt and prints "OK size=N steps=S".
 """
 import argparse
@@ -127,6 +127,18 @@ def main():
     rescale()  # (a resumed optimizer has the learning rate of the size it was saved at)
     log = open(a.out / f"steps.rank{WORLD_RANK}.jsonl", "a")
 
+    def stop_here(every_c_steps: bool = True) -> bool:
+        """After a commit (every C steps, or at an epoch's end): at --stop-at-commit's step or
+        --stop-at-commit-id's commit, save this rank's committed state for --resume; stop."""
+        at_step = every_c_steps and a.stop_at_commit is not None and state.step >= a.stop_at_commit
+        at_id = a.stop_at_commit_id is not None and state.commit_id >= a.stop_at_commit_id
+        if not (at_step or at_id):
+            return False
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "sampler": sampler.state_dict(), "epoch": state.epoch, "step": state.step},
+                   a.out / f"commit.rank{hvd.rank()}.pt")
+        return True
+
     @hvd.elastic.run
     def train(state):
         print(f"training from step {state.step} on {hvd.size()} ranks", flush=True)
@@ -151,21 +163,15 @@ def main():
                 time.sleep(a.sleep)
                 if state.step % a.commit_every == 0:
                     if how == "commit":  # what commit() does, up to its collective
-                        state.commit_id += 1
-                        state.save()
+                        state.save_commit()
                         fail("kill", node_pids)
                     state.commit()
-                    if a.stop_at_commit_id is not None and state.commit_id >= a.stop_at_commit_id:
-                        return False
-                    if a.stop_at_commit is not None and state.step >= a.stop_at_commit:
-                        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                    "sampler": sampler.state_dict(), "epoch": state.epoch,
-                                    "step": state.step}, a.out / f"commit.rank{hvd.rank()}.pt")
+                    if stop_here():
                         return False
             state.epoch += 1
             sampler.set_epoch(state.epoch)
             state.commit()
-            if a.stop_at_commit_id is not None and state.commit_id >= a.stop_at_commit_id:
+            if stop_here(every_c_steps=False):
                 return False
         return True
 

@@ -34,8 +34,7 @@ def commit_without_collective(state, model, value):
     with torch.no_grad():
         model.weight.fill_(value)
     state.epoch = value
-    state.commit_id += 1
-    state.save()
+    state.save_commit()
     assert state.commit_id == value
 
 
@@ -129,8 +128,7 @@ def test_a_relaunched_job_resumes_from_the_newest_commit_every_rank_saved(on_dis
     model and optimizer) starts from commit 2 on every rank: weights, epoch, numbering."""
     model, opt, state = make_state()
     for value in range(1, (2 if RANK == 1 else 3) + 1):
-        commit_without_collective(state, model, value)
-        state._save_to_disk_if_due()
+        commit_without_collective(state, model, value)  # (saved to disk too)
     model, opt, state = make_state()
     assert state.resume_from_disk() == (2 if SIZE > 1 else 3)
     expected = 2 if SIZE > 1 else 3
@@ -141,8 +139,29 @@ def test_a_relaunched_job_resumes_from_the_newest_commit_every_rank_saved(on_dis
 def test_another_jobs_state_on_disk_is_refused(on_disk):
     model, opt, state = make_state()
     commit_without_collective(state, model, 1)
-    state._save_to_disk_if_due()
     torch.manual_seed(0)
     other = hvd.elastic.TorchState(torch.nn.Linear(6, 5), step=0)  # no optimizer, no epoch
     with pytest.raises(HvcommError, match="another job's state"):
         other.resume_from_disk()
+
+
+def test_a_job_on_more_ranks_than_saved_the_state_refuses_it(on_disk, monkeypatch):
+    """The last rank has no file (the state was saved by one rank fewer): every rank raises,
+    none starts afresh. Then every rank has a file, but each says it was saved by one rank
+    fewer (stale files of an earlier, smaller job): refused too."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    model, opt, state = make_state()
+    if RANK < SIZE - 1:
+        commit_without_collective(state, model, 1)
+    model, opt, state = make_state()
+    with pytest.raises(HvcommError, match=f"no step is saved by every one of the {SIZE} ranks"):
+        state.resume_from_disk()
+    import hvcomm.torch.elastic.state as state_module
+    with monkeypatch.context() as saved_by_fewer:
+        saved_by_fewer.setattr(state_module, "size", lambda: SIZE - 1)
+        commit_without_collective(state, model, 1)
+    model, opt, state = make_state()
+    with pytest.raises(HvcommError, match=rf"saved by \[{SIZE - 1}\] ranks and this job has "
+                                          rf"{SIZE}"):
+        state.resume_from_disk()

@@ -98,7 +98,8 @@ def _on_exception(on_exception: Optional[str]) -> str:
 
 def _agree_on_settings(min_np: int, reset_limit: Optional[int]) -> None:
     """COLLECTIVE: every rank runs with the same min_np and reset_limit (they come from the
-    environment, which a launcher may not have given every host), else every rank raises."""
+    environment, which a launcher may not have given every host), and with at least min_np
+    ranks; else every rank raises."""
     mine = (min_np, -1 if reset_limit is None else reset_limit)
     every = _runtime.world().allgather(mine)
     if len(set(every)) > 1:
@@ -106,6 +107,29 @@ def _agree_on_settings(min_np: int, reset_limit: Optional[int]) -> None:
             f"hvcomm elastic: the ranks disagree on (min_np, reset_limit): {sorted(set(every))} "
             "(-1: no limit); pass them to run() in the script, or export HVCOMM_ELASTIC_MIN_NP "
             "and HVCOMM_ELASTIC_RESET_LIMIT to every host (mpirun -x VAR)", everywhere=True)
+    if _runtime.size() < min_np:
+        raise HvcommError(f"hvcomm elastic: the job starts on {_runtime.size()} ranks, fewer "
+                          f"than min_np={min_np} (HVCOMM_ELASTIC_MIN_NP); the job stops",
+                          everywhere=True)
+
+
+_resumed_from_disk = False  # elastic state on disk is for the job's start, once per process
+
+
+def _resume_from_disk(state: State) -> None:
+    """COLLECTIVE, at the first run() of the process: go on from the elastic state on disk
+    (a relaunch after a lost node), where there is one."""
+    global _resumed_from_disk
+    if _resumed_from_disk or not isinstance(state, ObjectState):
+        return
+    _resumed_from_disk = True
+    resumed = state.resume_from_disk()
+    if resumed is not None:
+        if _runtime.rank() == 0:
+            print(f"hvcomm elastic: resumed from commit {resumed} on disk "
+                  f"({saved_on_disk()[0]}) on {_runtime.size()} ranks",
+                  file=sys.stderr, flush=True)
+        state.on_reset()  # a relaunch is a reset: the callbacks see the new size
 
 
 def _is_failure(error: BaseException) -> bool:
@@ -175,7 +199,8 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
 
     - ``min_np`` (default env HVCOMM_ELASTIC_MIN_NP, else 1): fewer survivors stop the job.
     - ``reset_limit`` (Horovod's name; default env HVCOMM_ELASTIC_RESET_LIMIT, else none):
-      the job stops at the reset (a recovery or a change of hosts) after this many.
+      the job stops at the reset (a recovery or a change of hosts) after this many. Counted
+      per launch: a relaunch (slurm/common.sh) starts counting again.
     - ``on_exception`` (default env HVCOMM_ELASTIC_ON_EXCEPTION, else ``"abort"``): what an
       exception other than a process failure does: ``"abort"`` ends the whole job with an error;
       ``"leave"`` ends the raising rank as a failed process and the others go on.
@@ -200,14 +225,7 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
                           "process ends it; launch with `mpirun --with-ft ulfm` (Open MPI 5) to "
                           "go on without it", stacklevel=2)
         _agree_on_settings(least, limit)
-        if isinstance(state, ObjectState):
-            resumed = state.resume_from_disk()
-            if resumed is not None:
-                if _runtime.rank() == 0:
-                    print(f"hvcomm elastic: resumed from commit {resumed} on disk "
-                          f"({saved_on_disk()[0]}) on {_runtime.size()} ranks",
-                          file=sys.stderr, flush=True)
-                state.on_reset()  # a relaunch is a reset: the callbacks see the new size
+        _resume_from_disk(state)
         recovering, resetting, sync, detected, resets = False, False, True, 0.0, 0
         while True:
             try:

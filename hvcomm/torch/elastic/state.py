@@ -7,7 +7,8 @@ semantics): :class:`State`, :class:`ObjectState`, :class:`TorchState`.
   survivors may be one commit apart (a step's collective can complete on some ranks and fail
   on others, and only the first go on to commit): ``hvcomm.torch.elastic.run`` restores the
   newest commit that every survivor has.
-- ``sync()``: every rank takes the lowest rank's state (rank 0 of the current world).
+- ``sync()``: every rank takes the lowest rank's state (rank 0 of the current world), which
+  becomes the newest commit's copy: ``restore()`` after ``sync()`` goes back to it.
 - On disk (``HVCOMM_ELASTIC_SAVE_EVERY=N`` with ``HVCOMM_CHECKPOINT_DIR``): every N-th commit
   each rank also writes its copy to ``$HVCOMM_CHECKPOINT_DIR/elastic`` (one file per rank,
   the two newest kept; :mod:`hvcomm.torch.checkpoint`), and ``hvcomm.torch.elastic.run``
@@ -35,9 +36,9 @@ from collectives.errors import HvcommError
 
 from .. import checkpoint
 from ..functions import broadcast_optimizer_state, broadcast_parameters
-from ..gather_ops import broadcast_object
+from ..gather_ops import allgather_object, broadcast_object
 from ..optimizer import PER_RANK_STATE
-from ..runtime import mpi_comm, rank
+from ..runtime import mpi_comm, rank, size
 from .sampler import ElasticSampler
 
 
@@ -130,10 +131,15 @@ class State:
     def commit(self) -> None:
         """Save the state (a copy in host memory), then check for host changes: raises
         :class:`HostsUpdatedInterrupt` on every rank when there are any. Collective."""
+        self.save_commit()
+        self.check_host_updates()
+
+    def save_commit(self) -> None:
+        """What :meth:`commit` does on this rank before its collective check: number the next
+        commit, save it (and to disk when due)."""
         self.commit_id += 1
         self.save()
         self._save_to_disk_if_due()
-        self.check_host_updates()
 
     def check_host_updates(self) -> None:
         """Collective: every rank learns rank 0's newest host change, and raises
@@ -197,8 +203,9 @@ class ObjectState(State):
         checkpoint.prune(where[0], keep=KEEP_COMMITS)
 
     def _copy_of(self, commit_id: int) -> Dict[str, Any]:
-        """What this rank has kept of commit ``commit_id``, as one picklable dict."""
-        return {"objects": self._kept_objects.get(commit_id)}
+        """What this rank has kept of commit ``commit_id``, as one picklable dict (with the
+        number of ranks that saved it)."""
+        return {"objects": self._kept_objects.get(commit_id), "size": size()}
 
     def _keep(self, commit_id: int, copy_of: Dict[str, Any]) -> None:
         """Keep ``copy_of`` (a :meth:`_copy_of` read from disk) as commit ``commit_id``."""
@@ -217,7 +224,16 @@ class ObjectState(State):
         commit_id = checkpoint.newest_common(where[0], mpi_comm())
         if commit_id is None:
             return None
-        self._keep(commit_id, checkpoint.load(where[0], commit_id))
+        saved = checkpoint.load(where[0], commit_id)
+        saved_by = saved.get("size")
+        every = set(allgather_object(saved_by))  # the same on every rank, unless stale files
+        if every != {saved_by} or not isinstance(saved_by, int) or saved_by < size():
+            raise HvcommError(f"{where[0]}: commit {commit_id} was saved by "
+                              f"{sorted(every, key=str)} ranks and this job has {size()}: an "
+                              "elastic job resumes on as "
+                              "many ranks as saved it or fewer; start from an empty "
+                              "HVCOMM_CHECKPOINT_DIR", everywhere=True)
+        self._keep(commit_id, saved)
         self.restore(commit_id)
         return commit_id
 
@@ -234,6 +250,7 @@ class ObjectState(State):
     def sync(self) -> None:
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state)
+            self._kept_objects.put(self.commit_id, lambda _: self._saved_state)
             self._set_attrs()
 
     def _set_attrs(self) -> None:
@@ -384,4 +401,5 @@ class TorchState(ObjectState):
     def sync(self) -> None:
         for handler in self._handlers.values():
             handler.sync()
+            handler.save(self.commit_id)  # what restore() goes back to is the synced state
         super().sync()
