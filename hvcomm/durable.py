@@ -3,17 +3,23 @@
 A file is written to a temporary name beside it, flushed and fsync-ed, renamed over its final
 name (``os.replace``: a reader sees the old file or the new one, never a part), and then its
 directory is fsync-ed so that the rename itself is on disk. Temporaries are named
-``.<name>.<pid>.tmp``; :func:`remove_stale` removes those a killed writer left.
+``.<name>.<host>.<pid>.tmp`` (writers on different nodes of a shared file system can have the
+same pid); :func:`remove_stale` removes those a killed writer left.
 """
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Callable, IO
 
 
+def _writer() -> str:
+    return f"{socket.gethostname()}.{os.getpid()}.tmp"
+
+
 def temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(f".{path.name}.{_writer()}")
 
 
 def write(path: Path, fill: Callable[[IO[bytes]], None]) -> Path:
@@ -45,7 +51,7 @@ def sync_directory(directory: Path) -> None:
 def remove_stale(directory: Path, glob: str) -> None:
     """Remove the temporaries matching ``glob`` in ``directory`` that other processes (killed
     writers, or this rank's earlier runs) left; this process's own are kept."""
-    mine = f".{os.getpid()}.tmp"
+    mine = f".{_writer()}"
     for stale in Path(directory).glob(glob):
         if stale.name.endswith(".tmp") and not stale.name.endswith(mine):
             stale.unlink(missing_ok=True)

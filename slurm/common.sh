@@ -1,9 +1,10 @@
 # Sourced by the batch scripts of this folder: the environment check and the job's header.
 # Needs: LAUNCH_CHECK (arguments of `python -m hvcomm.cluster.launch check`), NETWORK (words).
 # Sets: PY (the environment's python), TRAIN (the training script and its arguments), nodes_per
-# (ranks per node), FORWARD (mpirun's -x for each HVCOMM_* variable); exports the thread count, unbuffered output,
-# HVCOMM_CHECKPOINT_DIR and HVCOMM_OUTCOME_FILE; prints the job's header, and
-# its end on exit. Defines run_requeueable (below), which the batch scripts launch with.
+# (ranks per node), FORWARD (mpirun's -x for each HVCOMM_* variable); exports the thread
+# count, unbuffered output, HVCOMM_CHECKPOINT_DIR and HVCOMM_OUTCOME_FILE; prints the job's
+# header, and its end on exit. Defines run_requeueable and run_relaunching (below), which the
+# batch scripts launch with.
 
 cd "${SLURM_SUBMIT_DIR:-.}"
 # -- time limits, preemption and requeue ----------------------------------------------------------
@@ -138,6 +139,8 @@ run_relaunching() {  # mpirun, then its arguments without -n and --host, then th
     done
     alive=() lost=()
     for i in "${!nodes[@]}"; do
+      # a trapped signal ends a wait early: wait again until the probe has ended
+      while kill -0 "${probes[$i]}" 2>/dev/null; do wait "${probes[$i]}" || true; done
       if wait "${probes[$i]}"; then alive+=("${nodes[$i]}"); else lost+=("${nodes[$i]}"); fi
     done
     if [ ${#lost[@]} = 0 ]; then

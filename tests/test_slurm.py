@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_logs import newest_saved_by_all
 from hvcomm.cluster import launch, netem, slurm_local
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,6 +258,8 @@ def test_elastic_job_relaunches_on_the_nodes_left_after_a_node_crash(slurm, tmp_
     assert "lost node(s) node2; 1 left (node1)" in text and "relaunching on node1" in text, text
     resumed = re.findall(r"resumed from commit (\d+) on disk \(.*\) on 1 ranks", text)
     assert len(resumed) == 1 and "OK size=1" in text, text
+    # the relaunch's one rank resumes from the newest commit it saved before the crash, by its log
+    assert int(resumed[0]) == newest_saved_by_all(out, [0], key="commit"), (resumed, text)
     after = [json.loads(line) for line in (out / "steps.rank0.jsonl").read_text().splitlines()]
     first = min(r["time"] for r in after if r.get("size") == 1)
     print(f"from node2's crash to the first step on node1 alone: {first - crashed_at:.1f} s")

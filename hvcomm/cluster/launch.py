@@ -70,8 +70,9 @@ def mpirun_cmd(n: int, argv: Sequence[str], mpi_args: Sequence[str] = (),
                fault_tolerant: bool = False) -> List[str]:
     """``mpirun -n N --oversubscribe ... python -m mpi4py ARGV`` (mpi4py aborts all ranks on
     an uncaught exception instead of leaving the others hanging). ``fault_tolerant``:
-    ``mpirun --with-ft ulfm ... python ARGV`` instead, for hvcomm.torch.elastic jobs (a rank
-    whose exception escapes ends alone and the others go on; see hvcomm.torch.fault)."""
+    ``mpirun --with-ft ulfm ... python ARGV`` instead, for hvcomm.torch.elastic jobs (the
+    job goes on without a failed process; an escaping exception still aborts it: see
+    hvcomm.torch.ending)."""
     if fault_tolerant:
         return [find_mpirun(), "--with-ft", "ulfm", "-n", str(n), "--oversubscribe",
                 "--bind-to", "none", *mpi_args, sys.executable, *argv]

@@ -7,8 +7,10 @@ lost), so its exit status alone cannot say whether training finished. A launcher
 
 - ``{"outcome": "completed", ...}``: rank 0 of the final world, after every rank has ended its
   program with status 0;
-- ``{"outcome": "failed", "error": ..., ...}``: a rank that gives up (an uncaught exception
-  that aborts the job, too few survivors, the reset limit) or ends with a non-zero status.
+- ``{"outcome": "failed", "error": ..., ...}``: a rank that aborts the job (an uncaught
+  exception), first; else rank 0 of the final world, when a rank ended with a non-zero status
+  (every rank stopping with one error: too few survivors, the reset limit), a process failed
+  as the ranks ended, or not every rank ended within ``HVCOMM_EXIT_DEADLINE_S``.
 
 :func:`verdict` turns the launcher's exit status and the record into the job's status;
 ``python -m hvcomm.cluster.outcome FILE RC`` prints it and exits with it (slurm/common.sh).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -54,25 +54,29 @@ def saved_steps(directory: PathLike, rank: Optional[int] = None) -> List[int]:
     return sorted(int(m.group(1)) for f in directory.iterdir() if (m := pattern.match(f.name)))
 
 
+def newest_in_all(every: Sequence[Iterable[int]]) -> Optional[int]:
+    """The largest number that every one of ``every`` holds, or None."""
+    common = set(every[0]).intersection(*every[1:]) if every else set()
+    return max(common) if common else None
+
+
 def newest_common(directory: PathLike, comm=None) -> Optional[int]:
     """COLLECTIVE over ``comm`` (default hvcomm's communicator): the newest step that every
-    rank has saved; None when no rank has saved any. When some rank has saved steps but no step
-    is saved by every rank (a job started on more ranks than saved them, or lost files), every
-    rank raises :class:`HvcommError`."""
+    rank has saved; None when some rank has saved none (a first save cut short: start
+    afresh). When every rank has saved steps but none in common, every rank raises
+    :class:`HvcommError`."""
     if comm is None:
         from .runtime import mpi_comm
         comm = mpi_comm()
     every = comm.allgather(saved_steps(directory, comm.Get_rank()))
-    if not any(every):
+    if not all(every):
         return None
-    common = set(every[0]).intersection(*every[1:])
-    if not common:
-        have = {r: steps for r, steps in enumerate(every) if steps}
-        raise HvcommError(
-            f"{directory}: no step is saved by every one of the {len(every)} ranks (saved: "
-            f"{have}; ranks missing from it have none): was it saved by fewer ranks? Start on "
-            "as many ranks as saved it, or from an empty directory", everywhere=True)
-    return max(common)
+    step = newest_in_all(every)
+    if step is None:
+        raise HvcommError(f"{directory}: the ranks have saved steps, but no step in common "
+                          f"({dict(enumerate(every))}): files from another run? Start from an "
+                          "empty directory", everywhere=True)
+    return step
 
 
 def prune(directory: PathLike, keep: int = 2, rank: Optional[int] = None) -> None:

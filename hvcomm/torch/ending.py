@@ -21,8 +21,9 @@ recorded for the launcher (:mod:`hvcomm.cluster.outcome`).
 The exit status a program means: ``sys.exit(n)``, the built-in ``exit(n)``/``quit(n)``, an
 uncaught exception (1, whatever ``sys.excepthook`` is), and after a survived failure also a
 bare ``raise SystemExit(n)`` (a trace on the main thread's outermost frame sees it leave).
-Without a failure, a bare ``raise SystemExit(n)`` is not seen: the record can say
-``completed``, but the process exits ``n`` and the launcher's non-zero status wins.
+Without a failure the record counts only uncaught exceptions: after ``sys.exit(n)`` or a bare
+``raise SystemExit(n)`` it can say ``completed``, but the process exits ``n`` and the
+launcher's non-zero status wins.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Callable, Optional, Tuple
@@ -81,7 +83,8 @@ def install(world_of: Callable[[], MPI.Comm]) -> None:
 def _recording(exit_function):
     def exit(status=None):  # noqa: A001 - keep the status a script asks for
         global _requested_status
-        _requested_status = status
+        if threading.current_thread() is threading.main_thread():  # (elsewhere: a thread ends)
+            _requested_status = status
         exit_function(status)
     exit.__doc__ = exit_function.__doc__
     return exit
@@ -97,9 +100,13 @@ def status_code(status) -> int:
 
 
 def intended_status() -> int:
-    """The status this process is exiting with (see the module)."""
+    """The status this process is exiting with (see the module). Without a failure only an
+    uncaught exception counts (1): a ``sys.exit(n)`` whose SystemExit was caught must not fail
+    the job, and the process's own exit status reaches the launcher anyway."""
     if getattr(sys, "last_type", None) is not None and not issubclass(sys.last_type, SystemExit):
         return 1  # an uncaught exception, printed by whatever sys.excepthook is
+    if fault.failures_met() == 0:
+        return 0
     if _leaving_status is not _UNSET:
         return status_code(_leaving_status)
     if _requested_status is not _UNSET:
@@ -166,20 +173,23 @@ def record_failure(error: str) -> None:
             sys.stderr.write(f"hvcomm: cannot write the job's outcome to {path}: {e}\n")
 
 
-def abort_job(exc: BaseException, why: str) -> None:
-    """Record the failure, say ``why`` on stderr, and end every rank of the job."""
+def abort_job(error: str, why: str = "") -> None:
+    """Record that the job failed with ``error``, say it on stderr (with ``why``), and end
+    every rank of the job."""
     rank = MPI.COMM_WORLD.Get_rank()
-    record_failure(f"rank {rank}: {describe(exc)}")
-    sys.stdout.flush()
-    sys.stderr.write(f"hvcomm: uncaught exception on rank {rank}; aborting the whole job{why}\n")
-    sys.stderr.flush()
     if fault.enabled():
         # Under fault tolerance, MPI_Abort called by several ranks at once can leave mpirun
         # (prterun) hanging after every rank has gone: the lower ranks abort first, and rank
         # 0's abort usually ends the others before they call it (results/abort_under_ft.md).
-        # A rank whose MPI_Abort itself hangs ends by itself (exit 1) after 15 s.
-        time.sleep(ABORT_STAGGER_S * min(rank, 8))
-        faulthandler.dump_traceback_later(15, exit=True)
+        # A rank whose record or MPI_Abort hangs ends by itself (exit 1) 15 s after its turn.
+        stagger = ABORT_STAGGER_S * min(rank, 8)
+        faulthandler.dump_traceback_later(stagger + 15, exit=True)
+    record_failure(f"rank {rank}: {error}")
+    sys.stdout.flush()
+    sys.stderr.write(f"hvcomm: rank {rank}: {error}; aborting the whole job{why}\n")
+    sys.stderr.flush()
+    if fault.enabled():
+        time.sleep(stagger)
     MPI.COMM_WORLD.Abort(1)
 
 
@@ -198,7 +208,7 @@ def abort_on_uncaught(enable: bool) -> None:
 def _uncaught(exc_type, exc, tb) -> None:
     """Print the error, then end every rank: one failing rank must not leave the rest hanging."""
     traceback.print_exception(exc_type, exc, tb)
-    abort_job(exc, " (HVCOMM_ABORT_ON_ERROR=0 disables this)")
+    abort_job(f"uncaught {describe(exc)}", " (HVCOMM_ABORT_ON_ERROR=0 disables this)")
 
 
 def _uncaught_under_fault_tolerance(exc_type, exc, tb) -> None:
@@ -208,7 +218,7 @@ def _uncaught_under_fault_tolerance(exc_type, exc, tb) -> None:
         sys.stderr.flush()
         return
     if not getattr(exc, "hvcomm_leave", False):
-        abort_job(exc, "")
+        abort_job(f"uncaught {describe(exc)}")
     # elastic.run(on_exception="leave"): a killed process is reported to the others (an
     # exiting one is not), who go on without it
     sys.stderr.write(f"hvcomm: uncaught exception on rank {MPI.COMM_WORLD.Get_rank()} in "
@@ -229,10 +239,12 @@ def _at_exit() -> None:
     if after_failure:
         _keep_files()  # (already, when the program's end was seen leaving its outermost frame)
     status = intended_status()
-    worst, failure = _worst_status(world, status)
+    worst, trouble = _worst_status(world, status)
     if path is not None and world.Get_rank() == 0:
-        _record_outcome(path, world, status, worst, failure)
-    if after_failure or failure is not None:
+        _record_outcome(path, world, status, worst, trouble)
+    # under fault tolerance, a rank that did not meet the others at the end may be facing a
+    # failure: MPI_Finalize could wait for ever
+    if after_failure or (trouble is not None and fault.enabled()):
         logging.shutdown()
         flush_open_files()
         os._exit(status)
@@ -240,9 +252,9 @@ def _at_exit() -> None:
 
 def _worst_status(world: MPI.Comm, status: int) -> Tuple[Optional[int], Optional[str]]:
     """COLLECTIVE over ``world``, under :data:`EXIT_DEADLINE_S`: the largest exit status among
-    its ranks, None when not every rank arrived in time; and the process failure met on the
-    way, or None. (Past the deadline, ``MPI_Finalize`` waits for the late ranks all the same;
-    after a failure this process must not call it.)"""
+    its ranks, or None; and what went wrong (a process failure, the deadline), or None.
+    (Without fault tolerance, past the deadline ``MPI_Finalize`` still waits for the late
+    ranks.)"""
     mine, worst = np.array([status], np.int64), np.zeros(1, np.int64)
     try:
         request = world.Iallreduce(mine, worst, op=MPI.MAX)
@@ -252,15 +264,20 @@ def _worst_status(world: MPI.Comm, status: int) -> Tuple[Optional[int], Optional
                 sys.stderr.write(f"hvcomm: rank {world.Get_rank()} has ended its program; the "
                                  f"others did not within {EXIT_DEADLINE_S:.0f} s "
                                  "(HVCOMM_EXIT_DEADLINE_S)\n")
-                return None, None
+                return None, f"not every rank ended within {EXIT_DEADLINE_S:.0f} s"
             time.sleep(0.01)
     except MPI.Exception as e:  # a process failed as the job ended
+        if fault.enabled():
+            try:
+                world.Revoke()  # the others learn of it now, not at their deadline
+            except MPI.Exception:  # already revoked
+                pass
         return None, f"a process failed as the ranks ended their programs: {e}"
     return int(worst[0]), None
 
 
 def _record_outcome(path, world: MPI.Comm, status: int, worst: Optional[int],
-                    failure: Optional[str]) -> None:
+                    trouble: Optional[str]) -> None:
     try:
         if worst == 0:
             outcome.write(path, outcome.COMPLETED, size=world.Get_size(),
@@ -271,9 +288,8 @@ def _record_outcome(path, world: MPI.Comm, status: int, worst: Optional[int],
             return  # the rank that gave up has said why
         error = (describe(sys.last_value) if getattr(sys, "last_value", None) is not None
                  else f"rank 0 ended with status {status}" if status
-                 else failure if failure is not None
-                 else "a rank ended with a non-zero status" if worst
-                 else f"not every rank ended within {EXIT_DEADLINE_S:.0f} s")
+                 else trouble if trouble is not None
+                 else "a rank ended with a non-zero status")
         outcome.write(path, outcome.FAILED, error=error, size=world.Get_size())
     except OSError as e:
         sys.stderr.write(f"hvcomm: cannot write the job's outcome to {path}: {e}\n")

@@ -105,7 +105,8 @@ def failure_error(error: MPI.Exception, during: str, of_generation: int) -> Proc
     revoke(of_generation)
     return ProcessFailure(
         f"a process of the job failed while this rank ran {during} ({error.Get_error_string()}); "
-        "inside hvcomm.torch.elastic.run the survivors restore the last commit and go on, "
+        "inside hvcomm.torch.elastic.run the survivors restore the newest commit they all have "
+        "and go on, "
         "elsewhere the job cannot continue")
 
 

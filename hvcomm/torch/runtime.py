@@ -145,9 +145,7 @@ def shutdown() -> None:
     rt.engine.close()
     if rt.engine.stuck and usable:
         watchdog.wait_for_departures(10.0)
-        sys.stderr.write(f"hvcomm: rank {rt.comm.Get_rank()} shuts down with a collective "
-                         "that can never finish; aborting the job\n")
-        MPI.COMM_WORLD.Abort(1)
+        ending.abort_job("shut down with a collective that can never finish")
     watchdog.close()
     for fn in _shutdown_hooks:
         fn()
@@ -162,7 +160,9 @@ def shutdown() -> None:
 
 
 def ran_on() -> MPI.Comm:
-    """The communicator hvcomm runs on, or ran on last (the job's final world at exit)."""
+    """The communicator hvcomm runs on, or ran on last, or the survivors it is to go on with
+    (the job's final world at exit). Unlike :func:`world`, not COMM_WORLD after
+    ``init(comm)`` and ``shutdown()``."""
     return _runtime.world if _runtime is not None else _ran_on
 
 
@@ -174,9 +174,10 @@ def world() -> MPI.Comm:
 
 
 def continue_on(survivors: MPI.Comm) -> None:
-    """After a failure: the next init() (without a communicator) starts on ``survivors``."""
-    global _world
-    _world = survivors
+    """After a failure: the next init() (without a communicator) starts on ``survivors``,
+    which are the job's final world from now on (also if hvcomm never starts on them)."""
+    global _world, _ran_on
+    _world = _ran_on = survivors
 
 
 def is_initialized() -> bool:

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
-from . import fault
+from . import ending, fault
 
 TAG = 7471
 
@@ -109,9 +109,8 @@ class Watchdog:
                        f"ranks {missing} have not submitted it")
             print(message, file=sys.stderr, flush=True)
             if self.stall_shutdown_s is not None and waited >= self.stall_shutdown_s:
-                print(f"{message}; HVCOMM_STALL_SHUTDOWN_S={self.stall_shutdown_s:g} reached: "
-                      "aborting the job", file=sys.stderr, flush=True)
-                MPI.COMM_WORLD.Abort(1)
+                ending.abort_job(f"{message}; HVCOMM_STALL_SHUTDOWN_S={self.stall_shutdown_s:g} "
+                          "reached")
 
 
 def peer_error(problem: str, label: str) -> HvcommError:

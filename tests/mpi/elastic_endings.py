@@ -4,11 +4,12 @@
   rank 0 alone (the job must end with an error);
 - ``survive:HOW``: world rank 2 is SIGKILLed at step 2, the others finish and then end with
   HOW: ``raise`` (``raise SystemExit(3)``), ``exit`` (the built-in ``exit(4)``), ``hook`` (an
-  uncaught KeyError under a replaced ``sys.excepthook``), ``caught`` (a SystemExit(5) caught
+  uncaught KeyError under a replaced ``sys.excepthook``), ``caught`` (``sys.exit(5)`` caught
   at the top level, then a normal end); each survivor leaves an unflushed line in
   OUT_DIR/log.rank<R>; the top level runs ``main`` in a try/except/finally, so each SystemExit
   leaves through a ``finally``;
-- ``limit``: world ranks 2 and 1 are SIGKILLed at steps 1 and 3 with ``reset_limit=1``;
+- ``limit``: world ranks 0 and 1 are SIGKILLed at steps 1 and 3 with ``reset_limit=1`` (the
+  outcome is then recorded by world rank 2, rank 0 of the last survivors);
 - ``disagree``: rank 0 asks for ``min_np=1``, the others for 2;
 - ``few``: every rank asks for ``min_np=4`` (the job has 3);
 - ``vanish``: every rank ends at once after ``hvcomm.torch.init()``, with ``os._exit(0)``.
@@ -40,7 +41,7 @@ def main(mode: str, out: Path) -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, opt, step=0)
-    kills = {"survive": {2: 2}, "limit": {1: 2, 3: 1}}.get(kind, {})  # step: world rank
+    kills = {"survive": {2: 2}, "limit": {1: 0, 3: 1}}.get(kind, {})  # step: world rank
     settings = {"limit": {"reset_limit": 1}, "few": {"min_np": 4},
                 "disagree": {"min_np": 1 if WORLD_RANK == 0 else 2}}.get(kind, {})
     log = open(out / f"log.rank{WORLD_RANK}", "w")
@@ -69,7 +70,7 @@ def main(mode: str, out: Path) -> None:
         sys.excepthook = lambda *exc: sys.stderr.write(f"my hook: {exc[1]!r}\n")
         raise KeyError("after the hook")
     if arg == "caught":
-        raise SystemExit(5)
+        sys.exit(5)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ commit after step S and ends (``--stop-at-commit-id C``: after the commit number
 ``--resume`` starts from those files instead of from scratch (rank R reads rank R's): the two
 make the reference for a failure, trained on the old size up to the commit and on the new size
 from it. Each rank logs every completed step to OUT/steps.rank<R>.jsonl (step, time, size);
-rank 0 writes the final weights to OUT/final.pt and prints "OK size=N steps=S".
+each saved commit ("saved": its step, "commit": its number), and each restore ("restored": the
+step); rank 0 writes the final weights to OUT/final.pt and prints "OK size=N steps=S".
 """
 import argparse
 import json
@@ -126,6 +127,13 @@ def main():
     state.register_reset_callbacks([on_reset])
     rescale()  # (a resumed optimizer has the learning rate of the size it was saved at)
     log = open(a.out / f"steps.rank{WORLD_RANK}.jsonl", "a")
+    save_commit = state.save_commit
+
+    def save_commit_and_log():  # what this rank has saved (and to disk, when asked): the
+        save_commit()           # tests' expectation of the commit the survivors restore
+        log.write(json.dumps({"saved": state.step, "commit": state.commit_id}) + "\n")
+        log.flush()
+    state.save_commit = save_commit_and_log
 
     def stop_here(every_c_steps: bool = True) -> bool:
         """After a commit (every C steps, or at an epoch's end): at --stop-at-commit's step or

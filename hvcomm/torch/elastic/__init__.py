@@ -49,12 +49,13 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from collectives.errors import HorovodInternalError, HvcommError, ProcessFailure
 
 from .. import ending, fault
 from .. import runtime as _runtime
+from ..checkpoint import newest_in_all
 from ..gather_ops import allgather_object
 from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
@@ -71,46 +72,47 @@ failure), ``resumed`` (when the survivors had started again, before restore and 
 
 
 ON_EXCEPTION = ("abort", "leave")
+# run()'s settings, each an argument or else an environment variable (default)
+SETTINGS = (("min_np", "HVCOMM_ELASTIC_MIN_NP", "1"),
+            ("reset_limit", "HVCOMM_ELASTIC_RESET_LIMIT", ""),
+            ("on_exception", "HVCOMM_ELASTIC_ON_EXCEPTION", "abort"))
+ON_DISK = ("HVCOMM_ELASTIC_SAVE_EVERY", "HVCOMM_CHECKPOINT_DIR")  # read by .state
 
 
-def _min_np(min_np: Optional[int]) -> int:
-    if min_np is None:
-        min_np = int(os.environ.get("HVCOMM_ELASTIC_MIN_NP", 1))
-    if min_np < 1:
-        raise HvcommError(f"min_np must be at least 1, got {min_np}")
-    return min_np
-
-
-def _reset_limit(reset_limit: Optional[int]) -> Optional[int]:
-    if reset_limit is None and os.environ.get("HVCOMM_ELASTIC_RESET_LIMIT"):
-        reset_limit = int(os.environ["HVCOMM_ELASTIC_RESET_LIMIT"])
-    if reset_limit is not None and reset_limit < 0:
-        raise HvcommError(f"reset_limit must be at least 0 (or None: no limit), got {reset_limit}")
-    return reset_limit
-
-
-def _on_exception(on_exception: Optional[str]) -> str:
-    value = on_exception or os.environ.get("HVCOMM_ELASTIC_ON_EXCEPTION", "abort")
-    if value not in ON_EXCEPTION:
-        raise HvcommError(f"on_exception must be one of {ON_EXCEPTION}, got {value!r}")
-    return value
-
-
-def _agree_on_settings(min_np: int, reset_limit: Optional[int]) -> None:
-    """COLLECTIVE: every rank runs with the same min_np and reset_limit (they come from the
-    environment, which a launcher may not have given every host), and with at least min_np
-    ranks; else every rank raises."""
-    mine = (min_np, -1 if reset_limit is None else reset_limit)
-    every = _runtime.world().allgather(mine)
-    if len(set(every)) > 1:
+def _settings(given: dict) -> Tuple[int, Optional[int], bool]:
+    """COLLECTIVE: (min_np, reset_limit, whether an exception makes its rank leave), from
+    run()'s arguments or the environment, which a launcher may not have given every host:
+    every rank reads the same, and at least min_np ranks run, else every rank raises."""
+    raw = {name: str(given[name]) if given[name] is not None else os.environ.get(env, default)
+           for name, env, default in SETTINGS}
+    raw.update((env, os.environ.get(env, "")) for env in ON_DISK)
+    every = allgather_object(raw)
+    differ = sorted({k for r in every for k in r if r[k] != raw[k]})
+    if differ:
+        seen = {k: sorted({r[k] for r in every}) for k in differ}
         raise HvcommError(
-            f"hvcomm elastic: the ranks disagree on (min_np, reset_limit): {sorted(set(every))} "
-            "(-1: no limit); pass them to run() in the script, or export HVCOMM_ELASTIC_MIN_NP "
-            "and HVCOMM_ELASTIC_RESET_LIMIT to every host (mpirun -x VAR)", everywhere=True)
+            f"hvcomm elastic: the ranks disagree on {seen}; pass the settings to run() in the "
+            "script, or export the HVCOMM_ELASTIC_* variables to every host (mpirun -x VAR)",
+            everywhere=True)
+
+    def whole(name: str, least: int) -> Optional[int]:
+        value = raw[name]
+        if value == "":
+            return None
+        if not value.lstrip("-").isdigit() or int(value) < least:
+            raise HvcommError(f"hvcomm elastic: {name} must be a whole number of at least "
+                              f"{least}, got {value!r}", everywhere=True)
+        return int(value)
+
+    min_np, reset_limit = whole("min_np", 1), whole("reset_limit", 0)
+    if raw["on_exception"] not in ON_EXCEPTION:
+        raise HvcommError(f"hvcomm elastic: on_exception must be one of {ON_EXCEPTION}, got "
+                          f"{raw['on_exception']!r}", everywhere=True)
     if _runtime.size() < min_np:
         raise HvcommError(f"hvcomm elastic: the job starts on {_runtime.size()} ranks, fewer "
                           f"than min_np={min_np} (HVCOMM_ELASTIC_MIN_NP); the job stops",
                           everywhere=True)
+    return min_np, reset_limit, raw["on_exception"] == "leave"
 
 
 _resumed_from_disk = False  # elastic state on disk is for the job's start, once per process
@@ -178,11 +180,11 @@ def _restore_agreed_commit(state: State) -> None:
         state.restore()
         return
     every = allgather_object(sorted(state.kept_commits()))
-    common = set(every[0]).intersection(*every[1:])
-    if not common:
+    commit_id = newest_in_all(every)
+    if commit_id is None:
         raise HvcommError(f"hvcomm elastic: the survivors keep no commit in common (each keeps "
                           f"its {KEEP_COMMITS} newest: {every}); the job stops", everywhere=True)
-    state.restore(max(common))
+    state.restore(commit_id)
 
 
 def _check_reset_limit(reset_limit: Optional[int], resets: int) -> None:
@@ -205,7 +207,8 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
       exception other than a process failure does: ``"abort"`` ends the whole job with an error;
       ``"leave"`` ends the raising rank as a failed process and the others go on.
 
-    The ranks must agree on ``min_np`` and ``reset_limit`` (checked when the function starts).
+    The ranks must agree on these and on the elastic state on disk (``HVCOMM_ELASTIC_SAVE_EVERY``,
+    ``HVCOMM_CHECKPOINT_DIR``): checked, with the values, when the function starts.
     """
     if func is None:
         return functools.partial(run, min_np=min_np, max_np=max_np, reset_limit=reset_limit,
@@ -213,8 +216,7 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
     if max_np is not None:
         raise HvcommError("hvcomm elastic cannot add processes (max_np): the job only shrinks; "
                           "leave max_np out")
-    least, limit, leave = _min_np(min_np), _reset_limit(reset_limit), \
-        _on_exception(on_exception) == "leave"
+    given = {"min_np": min_np, "reset_limit": reset_limit, "on_exception": on_exception}
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs) -> Any:
@@ -224,7 +226,7 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
             warnings.warn("hvcomm elastic: this job runs without MPI fault tolerance, so a failed "
                           "process ends it; launch with `mpirun --with-ft ulfm` (Open MPI 5) to "
                           "go on without it", stacklevel=2)
-        _agree_on_settings(least, limit)
+        least, limit, leave = _settings(given)
         _resume_from_disk(state)
         recovering, resetting, sync, detected, resets = False, False, True, 0.0, 0
         while True:

@@ -217,23 +217,25 @@ class ObjectState(State):
 
     def resume_from_disk(self) -> Optional[int]:
         """COLLECTIVE: restore the newest commit on disk that every rank has (see the
-        module); the commit's number, or None (nothing saved, or not saving)."""
+        module); the commit's number, or None (nothing saved, a first save cut short, or not
+        saving). State saved by fewer ranks than this job has is refused on every rank."""
         where = saved_on_disk()
         if where is None:
             return None
-        commit_id = checkpoint.newest_common(where[0], mpi_comm())
+        directory = where[0]
+        mine = checkpoint.saved_steps(directory, rank())
+        newest = checkpoint.load(directory, mine[-1]) if mine else None
+        saved_by = {n for n in allgather_object(newest and newest.get("size")) if n}
+        if any(n < size() for n in saved_by):
+            raise HvcommError(f"{directory}: the elastic state there was saved by "
+                              f"{sorted(saved_by)} ranks and this job has {size()}: an elastic "
+                              "job resumes on as many ranks as saved it or fewer; start from an "
+                              "empty HVCOMM_CHECKPOINT_DIR", everywhere=True)
+        commit_id = checkpoint.newest_common(directory, mpi_comm())
         if commit_id is None:
             return None
-        saved = checkpoint.load(where[0], commit_id)
-        saved_by = saved.get("size")
-        every = set(allgather_object(saved_by))  # the same on every rank, unless stale files
-        if every != {saved_by} or not isinstance(saved_by, int) or saved_by < size():
-            raise HvcommError(f"{where[0]}: commit {commit_id} was saved by "
-                              f"{sorted(every, key=str)} ranks and this job has {size()}: an "
-                              "elastic job resumes on as "
-                              "many ranks as saved it or fewer; start from an empty "
-                              "HVCOMM_CHECKPOINT_DIR", everywhere=True)
-        self._keep(commit_id, saved)
+        self._keep(commit_id, newest if commit_id == mine[-1]
+                   else checkpoint.load(directory, commit_id))
         self.restore(commit_id)
         return commit_id
 
@@ -386,7 +388,8 @@ class TorchState(ObjectState):
 
     def _keep(self, commit_id: int, copy_of: Dict[str, Any]) -> None:
         if set(copy_of.get("handlers", {})) != set(self._handlers):
-            raise HvcommError(f"the elastic state on disk holds {sorted(copy_of['handlers'])}, "
+            raise HvcommError(f"the elastic state on disk holds "
+                              f"{sorted(copy_of.get('handlers', {}))}, "
                               f"this state {sorted(self._handlers)}: another job's state? "
                               "Point HVCOMM_CHECKPOINT_DIR elsewhere")
         super()._keep(commit_id, copy_of)
