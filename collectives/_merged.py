@@ -16,8 +16,8 @@ from .plans import BucketPlan
 def _bucket_dtype(arrays, bucket):
     dtypes = {arrays[i].dtype for i in bucket}
     if len(dtypes) != 1:
-        raise HvcommError(f"merged allreduce: bucket {bucket} mixes dtypes {sorted(map(str, dtypes))};"
-                          " plan one bucket per dtype")
+        raise HvcommError(f"merged allreduce: bucket {bucket} mixes dtypes "
+                          f"{sorted(map(str, dtypes))}; plan one bucket per dtype")
     return dtypes.pop()
 
 

@@ -40,7 +40,8 @@ def gtopk_ref(inputs: Sequence[Pairs], k: int):
     final = sorted(nodes[0].items())
     idx = np.array([j for j, _ in final], np.int64)
     val = np.array([v for _, (v, _) in final])
-    reached = [np.array([r in nodes[0].get(int(j), (0, frozenset()))[1] for j in inputs[r][0]], bool)
+    reached = [np.array([r in nodes[0].get(int(j), (0, frozenset()))[1]
+                         for j in inputs[r][0]], bool)
                for r in range(p)]
     return idx, val, reached
 

@@ -92,7 +92,8 @@ def main() -> None:
     print(text)
     name = "dense_vs_horovod" + ("" if net == "shm" else f"_{net}")
     report.write(name, "Dense training step: hvcomm vs Horovod", report.setting(
-        model=f"{LAYERS} x Linear({WIDTH},{WIDTH}), {res['hvcomm']['params']:,} parameters (float32)",
+        model=f"{LAYERS} x Linear({WIDTH},{WIDTH}), {res['hvcomm']['params']:,} parameters "
+              "(float32)",
         batch_per_rank=args.batch, iterations=f"{args.iters} timed after {args.warmup} warm-up, "
         "median of the slowest rank", network=label + "; ranks beyond 2 are oversubscribed "
         "on 2 cores", defaults="hvcomm 25 MiB buckets; Horovod 64 MiB fusion"),

@@ -145,12 +145,14 @@ def main() -> None:
                      P=args.n, batch_per_rank=args.batch, input="3x32x32 random, 10 classes",
                      network="; ".join(labels),
                      timing=f"mean of {args.iters} iterations, median of {args.repeats} "
-                     f"repeats, slowest rank, after {args.warmup} warm-up iterations (1 skipped + 3 "
+                     f"repeats, slowest rank, after {args.warmup} warm-up iterations "
+                     "(1 skipped + 3 "
                      "profiled, then mgwfbp races up to 4 plans for 1 + 5 iterations each)",
                      planner="cost fit T(M)=a+bM by hvcomm.calibrate on the job's "
                      "communicator; ready times from the gradient hooks, slowest rank",
                      threshold="25 MiB (the fusion default)",
-                     p3="p3: 50,000-element slices (P3's default), p3:1000000: 1M-element slices; updates deferred to each module's forward "
+                     p3="p3: 50,000-element slices (P3's default), p3:1000000: 1M-element "
+                        "slices; updates deferred to each module's forward "
                      "(no prediction: the planner models merged buckets only)"),
                  text)
 

@@ -42,7 +42,8 @@ def main() -> None:
             t_s = best_of(lambda: sel(x, k), args.repeats)
             rows.append({"d": f"{d:,}", "density": density, "k": f"{k:,}",
                          "torch.topk s": f"{t_torch:.4f}", "numpy partition s": f"{t_np:.4f}",
-                         "sampled s": f"{t_s:.4f}", "speed-up vs torch.topk": f"{t_torch / t_s:.1f}",
+                         "sampled s": f"{t_s:.4f}",
+                         "speed-up vs torch.topk": f"{t_torch / t_s:.1f}",
                          "recall": f"{recall(sel(x, k), x, k):.4f}",
                          "candidates/k": f"{sel.last_candidates / k:.2f}",
                          "fallbacks": sel.fallbacks})
@@ -50,7 +51,8 @@ def main() -> None:
     text = report.table(rows)
     print(text)
     report.write("selection", "Top-k selection: exact vs sampled threshold", report.setting(
-        network="none (local computation on one core)", threads="1 (torch.set_num_threads(1))", data="Student-t(3) * 1e-3, float32",
+        network="none (local computation on one core)",
+        threads="1 (torch.set_num_threads(1))", data="Student-t(3) * 1e-3, float32",
         timing=f"best of {args.repeats} after one warm-up",
         selector="SampledTopk: 20,000-element sample, threshold for 1.25 k candidates, exact "
                  "top-k among them (recall 1.0 whenever >= k pass), else lower it, else exact"),

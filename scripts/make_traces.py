@@ -1,6 +1,7 @@
-"""Write the per-layer traces of hvcomm/sim/traces/: each model's layers (hvcomm.sim.models, built here)
-timed for a named GPU from their FLOPs and a stated sustained throughput, or measured on this
-machine's CPU (hvcomm.sim.models.measured_profile, with hvcomm's gradient-ready profiler).
+"""Write the per-layer traces of hvcomm/sim/traces/: each model's layers (hvcomm.sim.models,
+built here) timed for a named GPU from their FLOPs and a stated sustained throughput, or
+measured on this machine's CPU (hvcomm.sim.models.measured_profile, with hvcomm's
+gradient-ready profiler).
 
     python scripts/make_traces.py                      # every model for every GPU below
     python scripts/make_traces.py --measure resnet20   # hvcomm/sim/traces/resnet20-cpu.json
@@ -40,17 +41,17 @@ def trace(model: str, gpu: str) -> dict:
     flop_s = spec["peak_flop_s"] * SUSTAINED
     batch = BATCH[model]
     layers = layer_profile(model)
-    params = sum(l["params"] for l in layers)
+    params = sum(layer["params"] for layer in layers)
     return {
         "model": model, "batch": batch, "bytes_per_param": 4, "device": "gpu",
         "update_s": 16 * params / spec["memory_b_s"],
         "source": (f"estimated for {spec['note']}; sustained {SUSTAINED:.0%} of peak (assumed); "
                    f"forward = FLOPs x batch {batch} / sustained; backward = 2 x forward; "
                    "FLOPs from hvcomm.sim.models.layer_profile (scripts/make_traces.py)"),
-        "layers": [{"name": l["name"], "shapes": l["shapes"], "params": l["params"],
-                    "forward_flops": l["forward_flops"],
-                    "forward_s": l["forward_flops"] * batch / flop_s,
-                    "backward_s": 2 * l["forward_flops"] * batch / flop_s} for l in layers],
+        "layers": [{"name": layer["name"], "shapes": layer["shapes"], "params": layer["params"],
+                    "forward_flops": layer["forward_flops"],
+                    "forward_s": layer["forward_flops"] * batch / flop_s,
+                    "backward_s": 2 * layer["forward_flops"] * batch / flop_s} for layer in layers],
     }
 
 
@@ -68,9 +69,9 @@ def measured(model: str, batch: int, steps: int) -> dict:
 
 def write(path, data) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
-    step = sum(l["forward_s"] + l["backward_s"] for l in data["layers"])
+    step = sum(layer["forward_s"] + layer["backward_s"] for layer in data["layers"])
     print(f"{path.relative_to(TRACES.parent.parent)}: {len(data['layers'])} layers, "
-          f"{sum(l['params'] for l in data['layers']) / 1e6:.1f}M parameters, "
+          f"{sum(layer['params'] for layer in data['layers']) / 1e6:.1f}M parameters, "
           f"{step * 1e3:.1f} ms forward+backward at batch {data['batch']}")
 
 

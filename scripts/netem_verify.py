@@ -50,7 +50,8 @@ def measure(hosts: int, rate: str, mode: str, nbytes: int, repeats: int, tmp: Pa
                 str(repeats), "--out", str(out)]
         proc = cluster.mpirun(argv, timeout=600)
         if proc.returncode != 0:
-            raise RuntimeError(f"{mode} at {rate} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            raise RuntimeError(f"{mode} at {rate} failed:\n"
+                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
         return json.loads(out.read_text())["median_s"]
 
 

@@ -31,7 +31,8 @@ def summarise(paths):
             spans = [e for e in json.load(f) if e.get("ph") == "X"]
         spans.sort(key=lambda e: e["ts"])
         spans = spans[len(spans) // 2:]
-        comm += [e["dur"] / 1e3 for e in spans if e["tid"] == 2 and e["name"].startswith("allreduce")]
+        comm += [e["dur"] / 1e3 for e in spans
+                 if e["tid"] == 2 and e["name"].startswith("allreduce")]
         launches = [e["ts"] for e in spans if e["name"] == "compress+launch"]
         period += [(b - a) / 1e3 for a, b in zip(launches, launches[1:])]
     return statistics.median(comm), statistics.median(period)

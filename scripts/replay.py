@@ -121,7 +121,8 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--alone", action="store_true",
                     help="worker: each rank replays on a one-rank communicator")
-    ap.add_argument("--trace", default="resnet50-v100", help="a name in hvcomm/sim/traces or a file")
+    ap.add_argument("--trace", default="resnet50-v100",
+                    help="a name in hvcomm/sim/traces or a file")
     ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--density", type=float, default=0.001)

@@ -80,7 +80,8 @@ def weights_digest(named_tensors) -> str:
     return h.hexdigest()
 
 
-def table(rows: Sequence[Dict], headers: Optional[Sequence[str]] = None, fmt: str = "github") -> str:
+def table(rows: Sequence[Dict], headers: Optional[Sequence[str]] = None,
+          fmt: str = "github") -> str:
     headers = list(headers or rows[0].keys())
     return tabulate([[r.get(h, "") for h in headers] for r in rows], headers=headers,
                     tablefmt=fmt, floatfmt=".4g")

@@ -1,9 +1,10 @@
 """The same training run submitted with sbatch to the local Slurm and started by plain mpirun
 on the emulated cluster, at 2 and 4 nodes: throughput, accuracy and final weights side by side.
 
-Brings the local Slurm up and down itself (hvcomm.cluster.slurm_local), one node count at a time; the
-plain-mpirun runs use hvcomm.cluster.netem's own emulated cluster, with the same per-link rate and one
-rank per node. Writes results/slurm_local.md and the jobs' logs under results/slurm/.
+Brings the local Slurm up and down itself (hvcomm.cluster.slurm_local), one node count at a
+time; the plain-mpirun runs use hvcomm.cluster.netem's own emulated cluster, with the same
+per-link rate and one rank per node. Writes results/slurm_local.md and the jobs' logs under
+results/slurm/.
 Needs root, Slurm installed (bash scripts/slurm_local.sh up installs it) and the environment.
 """
 from __future__ import annotations
@@ -89,9 +90,10 @@ def main() -> None:
         "slurm_local", "slurm/ethernet.sbatch under a real Slurm, beside plain mpirun",
         report.setting(slurm=subprocess.run(["slurmctld", "-V"], capture_output=True,
                                             text=True).stdout.strip(),
-                       cluster=f"local Slurm (hvcomm.cluster.slurm_local): one slurmd per emulated node,"
-                               f" {args.rate} per link (tc tbf), 1 rank per node; every run "
-                               "with OMPI_MCA_mpi_yield_when_idle=1 (the nodes share 2 cores)",
+                       cluster="local Slurm (hvcomm.cluster.slurm_local): one slurmd per "
+                               f"emulated node, {args.rate} per link (tc tbf), 1 rank per "
+                               "node; every run with OMPI_MCA_mpi_yield_when_idle=1 (the nodes "
+                               "share 2 cores)",
                        run=f"scripts/train_digits.py {' '.join(train_args)}",
                        timing="throughput over the training epochs, as train_digits.py reports "
                               "it; job wall time includes queueing and start-up"),

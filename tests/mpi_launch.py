@@ -25,8 +25,10 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 180, check_ok: bool
                       env={"HVCOMM_TEST_EXPECT_SIZE": str(n)})
     if check_ok:
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"{script} on {n} ranks exited {proc.returncode}:\n{out[-6000:]}"
-        assert f"OK size={n}" in proc.stdout, f"{script} on {n} ranks did not report OK:\n{out[-6000:]}"
+        assert proc.returncode == 0, \
+            f"{script} on {n} ranks exited {proc.returncode}:\n{out[-6000:]}"
+        assert f"OK size={n}" in proc.stdout, \
+            f"{script} on {n} ranks did not report OK:\n{out[-6000:]}"
     return proc
 
 
@@ -46,7 +48,8 @@ def summary_counts(stdout: str) -> dict:
     """The counts of pytest's summary line ("1 failed, 11 passed in 3.21s"), e.g.
     {"passed": 11, "failed": 1}; {} if there is none."""
     for line in reversed(re.sub(r"\x1b\[[0-9;]*m", "", stdout).splitlines()):
-        if re.search(r" in \d+(\.\d+)?s\b", line) and (COUNT.search(line) or "no tests ran" in line):
+        if re.search(r" in \d+(\.\d+)?s\b", line) and \
+                (COUNT.search(line) or "no tests ran" in line):
             return {what.rstrip("s") if what in ("errors", "warnings") else what: int(number)
                     for number, what in COUNT.findall(line)}
     return {}

@@ -90,10 +90,11 @@ def test_measure_a_model_of_your_own(tmp_path, monkeypatch, capsys):
     assert len(written) == 1 and f"trace written to {written[0].name}" in out
     trace = json.loads(written[0].read_text())
     # the layers of the factory's model: modules with parameters of their own, in order
-    assert [(l["name"], l["params"], l["shapes"]) for l in trace["layers"]] == [
+    assert [(layer["name"], layer["params"], layer["shapes"]) for layer in trace["layers"]] == [
         ("0", 8 * 16 + 16, [[16, 8], [16]]), ("1", 16 + 16, [[16], [16]]),
         ("3", 16 * 4 + 4, [[4, 16], [4]])]
-    assert all(l["forward_s"] > 0 and l["backward_s"] > 0 for l in trace["layers"]), trace
+    assert all(layer["forward_s"] > 0 and layer["backward_s"] > 0
+               for layer in trace["layers"]), trace
     assert trace["update_s"] > 0 and trace["batch"] == 6 and trace["measured_on"]
     assert trace["model"] == "tiny:make" and trace["device"] in ("cpu", "gpu")
     assert set(rows(out)) == set(S.METHODS)

@@ -1,4 +1,5 @@
-"""Collectives under mpirun at P = 1..8 (oversubscribed beyond 2 cores), against serial references."""
+"""Collectives under mpirun at P = 1..8 (oversubscribed beyond 2 cores), against serial
+references."""
 import pytest
 
 from mpi_launch import mpi_pytest

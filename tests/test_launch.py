@@ -18,8 +18,8 @@ def test_other_mpi_is_refused(tmp_path: Path):
     other.chmod(0o755)
     problem = launch.environment_problem(mpirun=str(other))
     assert problem and "built against" in problem and "4.1.5" in problem, problem
-    proc = subprocess.run([sys.executable, "-m", "hvcomm.cluster.launch", "check", "--mpirun", str(other)],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "hvcomm.cluster.launch", "check", "--mpirun",
+                           str(other)], capture_output=True, text=True)
     assert proc.returncode == 2 and "cannot start this job" in proc.stderr, proc.stderr
 
 

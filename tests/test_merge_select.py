@@ -11,7 +11,8 @@ from collectives.reference import merge_select_ref
 def sparse_pairs(draw, d=64):
     idx = draw(st.lists(st.integers(0, d - 1), unique=True, max_size=20))
     val = draw(st.lists(st.integers(-4, 4), min_size=len(idx), max_size=len(idx)))
-    return np.array(sorted(idx), np.int32), np.array([v for _, v in sorted(zip(idx, val))], np.float32)
+    return (np.array(sorted(idx), np.int32),
+            np.array([v for _, v in sorted(zip(idx, val))], np.float32))
 
 
 @settings(max_examples=300, deadline=None)

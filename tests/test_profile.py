@@ -18,9 +18,9 @@ def test_measure_times_each_layer_and_leaves_the_model_as_it_was():
     model = small().eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trace = profile.measure(model, torch.randn(6, 8), steps=2)
-    assert [l.name for l in trace.layers] == ["0", "1", "3"]
+    assert [layer.name for layer in trace.layers] == ["0", "1", "3"]
     assert trace.params == sum(p.numel() for p in model.parameters())
-    assert all(l.forward_s > 0 and l.backward_s > 0 for l in trace.layers)
+    assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in trace.layers)
     assert trace.batch == 6 and trace.update_s > 0 and trace.measured_on
     assert "median of 2 steps after one untimed warm-up" in trace.source
     # weights, BatchNorm's running statistics, mode and gradients as they were
@@ -40,7 +40,7 @@ def test_a_dict_batch_and_a_loss_of_ones_own():
 
     trace = profile.measure(Net(), {"x": torch.randn(4, 3), "y": torch.randn(4, 3)},
                             lambda out: out["out"].pow(2).mean(), steps=1, name="net")
-    assert [l.name for l in trace.layers] == ["a", "b"] and trace.model == "net"
+    assert [layer.name for layer in trace.layers] == ["a", "b"] and trace.model == "net"
 
 
 def write(tmp_path, body):

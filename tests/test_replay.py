@@ -51,12 +51,12 @@ def test_replay_at_two_ranks(alone):
 def test_measured_profile_has_the_models_layers_and_times():
     measured = measured_profile("resnet20", batch=4, steps=2)
     expected = layer_profile("resnet20")
-    assert [(l["name"], l["shapes"], l["params"]) for l in measured["layers"]] == \
-        [(l["name"], l["shapes"], l["params"]) for l in expected]
-    assert all(l["forward_s"] > 0 for l in measured["layers"])
-    assert all(l["backward_s"] >= 0 for l in measured["layers"])
-    assert sum(l["backward_s"] for l in measured["layers"]) > 0 and measured["update_s"] > 0
+    assert [(layer["name"], layer["shapes"], layer["params"]) for layer in measured["layers"]] == \
+        [(layer["name"], layer["shapes"], layer["params"]) for layer in expected]
+    assert all(layer["forward_s"] > 0 for layer in measured["layers"])
+    assert all(layer["backward_s"] >= 0 for layer in measured["layers"])
+    assert sum(layer["backward_s"] for layer in measured["layers"]) > 0 and measured["update_s"] > 0
     # as a trace, it replays
     trace = simulate.LayerTrace.from_dict({"model": "resnet20", "batch": 4, **measured})
     assert [tuple(p.shape) for p in ReplayModel(trace).parameters()] == \
-        [tuple(s) for l in expected for s in l["shapes"]]
+        [tuple(s) for layer in expected for s in layer["shapes"]]

@@ -81,7 +81,8 @@ def test_at_one_to_three_ranks(test_file, timeout, n):
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_preemption_flag(n):
-    """hvcomm.torch.preemption: one rank signalled, every rank told (tests/mpi/test_preemption.py)."""
+    """hvcomm.torch.preemption: one rank signalled, every rank told
+    (tests/mpi/test_preemption.py)."""
     mpi_pytest(n, "test_preemption.py", timeout=120)
 
 

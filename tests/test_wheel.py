@@ -80,7 +80,8 @@ def outside(env: dict) -> dict:
 def run(cmd, cwd, env, timeout=120):
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"{cmd} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
 
 
@@ -126,7 +127,8 @@ def check_wheel(wheel: Path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "hvcomm/sim/traces/resnet50-v100.json" in names, names
     assert "collectives/plans.py" in names and "hvcomm/torch/methods/sync.py" in names, names
-    assert not [n for n in names if n.split("/")[0] in ("tests", "scripts", "slurm", "results")], names
+    assert not [n for n in names
+                if n.split("/")[0] in ("tests", "scripts", "slurm", "results")], names
     meta = {n.split("/")[-1]: zipfile.ZipFile(wheel).read(n).decode()
             for n in names if ".dist-info/" in n}
     assert "hvcomm-advise = hvcomm.sim.advise:main" in meta["entry_points.txt"]

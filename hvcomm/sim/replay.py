@@ -81,12 +81,13 @@ class ReplayModel(nn.Module):
         super().__init__()
         self.trace = trace
         self.clock = _Clock()
-        self.layers = nn.ModuleList([_ReplayLayer(l, rank, i, self.clock)
-                                     for i, l in enumerate(trace.layers) if l.params])
+        self.layers = nn.ModuleList([_ReplayLayer(layer, rank, i, self.clock)
+                                     for i, layer in enumerate(trace.layers) if layer.params])
         self.layers[-1].first_in_backward = True
         # layers without parameters still take their time (forward and backward)
-        self._idle_forward_s = sum(l.forward_s for l in trace.layers if not l.params)
-        self.layers[-1].backward_s += sum(l.backward_s for l in trace.layers if not l.params)
+        self._idle_forward_s = sum(layer.forward_s for layer in trace.layers if not layer.params)
+        self.layers[-1].backward_s += sum(layer.backward_s for layer in trace.layers
+                                          if not layer.params)
 
     def forward(self):
         x = torch.zeros(1)

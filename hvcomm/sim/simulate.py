@@ -71,16 +71,16 @@ class LayerTrace:
     @property
     def compute_s(self) -> float:
         """Forward, backward and update of one worker with no communication."""
-        return sum(l.forward_s + l.backward_s for l in self.layers) + self.update_s
+        return sum(layer.forward_s + layer.backward_s for layer in self.layers) + self.update_s
 
     @property
     def params(self) -> int:
-        return sum(l.params for l in self.layers)
+        return sum(layer.params for layer in self.layers)
 
     def planner_trace(self) -> planner.Trace:
         """The planner's view: gradients in backward order (last layer first), each ready when
         its layer's backward ends."""
-        t = sum(l.forward_s for l in self.layers)
+        t = sum(layer.forward_s for layer in self.layers)
         ready, nbytes = [], []
         for layer in reversed(self.layers):
             t += layer.backward_s
@@ -110,17 +110,18 @@ class LayerTrace:
         return {"model": self.model, "batch": self.batch, "bytes_per_param": self.bytes_per_param,
                 "device": self.device, "measured_on": self.measured_on,
                 "update_s": self.update_s, "source": self.source,
-                "layers": [{"name": l.name, "shapes": [list(s) for s in l.shapes],
-                            "params": l.params, "forward_s": l.forward_s,
-                            "backward_s": l.backward_s} for l in self.layers]}
+                "layers": [{"name": layer.name, "shapes": [list(s) for s in layer.shapes],
+                            "params": layer.params, "forward_s": layer.forward_s,
+                            "backward_s": layer.backward_s} for layer in self.layers]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "LayerTrace":
         """A trace from the JSON layout of hvcomm/sim/traces (scripts/make_traces.py)."""
-        layers = tuple(Layer(l["name"], int(l["params"]), float(l["forward_s"]),
-                             float(l["backward_s"]),
-                             tuple(tuple(int(n) for n in shape) for shape in l.get("shapes", ())))
-                       for l in data["layers"])
+        layers = tuple(Layer(layer["name"], int(layer["params"]), float(layer["forward_s"]),
+                             float(layer["backward_s"]),
+                             tuple(tuple(int(n) for n in shape)
+                                   for shape in layer.get("shapes", ())))
+                       for layer in data["layers"])
         return cls(data["model"], layers, int(data["batch"]), float(data.get("update_s", 0.0)),
                    int(data.get("bytes_per_param", 4)), data.get("source", ""),
                    data.get("device", "cpu"), data.get("measured_on", ""))
@@ -175,7 +176,8 @@ def _pcie(version: int, lane_gt_s: float) -> Network:
     return Network(f"pcie{version}", 5e-6, each_way_gb_s * 8e9,
                    f"assumed, from the PCIe {version}.0 spec: x16 at {lane_gt_s:g} GT/s a lane, "
                    f"{each_way_gb_s:.2f} GB/s each way, each GPU's link carrying only its own "
-                   f"traffic (peer to peer under one switch; less through the CPU); {_LINK_LATENCY}")
+                   "traffic (peer to peer under one switch; less through the CPU); "
+                   f"{_LINK_LATENCY}")
 
 
 # inside a node: each GPU's link to the others, per direction. Peak figures, assumed from the

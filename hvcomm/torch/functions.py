@@ -10,7 +10,8 @@ from .ops import synchronize
 from .runtime import rank
 
 
-def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]],
+def broadcast_parameters(params: Union[Mapping[str, torch.Tensor],
+                                        Iterable[Tuple[str, torch.Tensor]]],
                          root_rank: int = 0) -> None:
     """Overwrite, in place, every tensor of ``params`` with root_rank's.
 

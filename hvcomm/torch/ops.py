@@ -250,15 +250,15 @@ def _group_names(name: Optional[str], n: int) -> List[Optional[str]]:
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start allreducing a list of tensors together; synchronize() returns the list."""
-    handles = [allreduce_async(t, average, n, op, prescale_factor, postscale_factor,
-                               process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    handles = [allreduce_async(t, average, n, op, prescale_factor, postscale_factor, process_set)
+               for t, n in zip(tensors, _group_names(name, len(tensors)))]
     return _group_handle(handles)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
-    handles = [allreduce_async_(t, average, n, op, prescale_factor, postscale_factor,
-                                process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    handles = [allreduce_async_(t, average, n, op, prescale_factor, postscale_factor, process_set)
+               for t, n in zip(tensors, _group_names(name, len(tensors)))]
     return _group_handle(handles)
 
 

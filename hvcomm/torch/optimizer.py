@@ -249,7 +249,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     else:
         problem = options.problem(optimizer, rt.comm.Get_size())
     in_a_set = isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
-    raise_together(averaging_comm(options) if in_a_set else rt.comm, problem, "DistributedOptimizer")
+    raise_together(averaging_comm(options) if in_a_set else rt.comm, problem,
+                   "DistributedOptimizer")
     cls = _distributed_class(type(optimizer))
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)

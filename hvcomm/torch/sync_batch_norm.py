@@ -35,7 +35,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         xhat = ((x.double() - mean.view(shape)) * invstd.view(shape))
         ctx.save_for_backward(xhat, invstd, weight, count)
         ctx.process_set, ctx.dims, ctx.shape = process_set, dims, shape
-        out = xhat if weight is None else xhat * weight.double().view(shape) + bias.double().view(shape)
+        out = xhat if weight is None else \
+            xhat * weight.double().view(shape) + bias.double().view(shape)
         return out.to(x.dtype)
 
     @staticmethod

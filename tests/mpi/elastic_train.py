@@ -11,7 +11,7 @@ rank on its node, itself last), daemon (SIGKILL to its parent, Open MPI's daemon
 node, then itself: a node crash), raise (an exception escapes), reset (SIGKILL in its reset
 callback, during the recovery from another failure; STEP is not used), after (SIGKILL after
 the step's ``opt.step()``, its gradients sent), commit (SIGKILL inside the commit after the
-step, once this rank has saved it, before the commit's collective check). 
+step, once this rank has saved it, before the commit's collective check).
 ``--stop-at-commit S`` saves each rank's committed state to OUT/commit.rank<R>.pt at the
 commit after step S and ends (``--stop-at-commit-id C``: after the commit numbered C);
 ``--resume`` starts from those files instead of from scratch (rank R reads rank R's): the two

@@ -250,7 +250,8 @@ def test_cd_every_kth_step_in_full_precision():
     model, opt = build(**MODES["cd-sgd-topk"])
     dense = sum(p.numel() * 8 for p in model.parameters())
     payload = {}
-    run(model, opt, STEPS, each_step=lambda s: payload.__setitem__(s - 1, opt.comm_stats.payload_bytes))
+    run(model, opt, STEPS,
+        each_step=lambda s: payload.__setitem__(s - 1, opt.comm_stats.payload_bytes))
     assert payload[4] == dense, payload
     for s in (2, 3, 5, 6):
         assert payload[s] < dense / 2, (s, payload)

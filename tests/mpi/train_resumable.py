@@ -6,9 +6,9 @@ Every rank writes its own checkpoint after every step (model, optimizer with hvc
 residuals, delayed weights, P3's deferred updates applied) with hvcomm.torch.checkpoint.save:
 DIR/step<S>.rank<R>.pt, written to a temporary name and renamed, so a rank killed mid-write
 leaves the previous one intact. ``--resume`` restarts from checkpoint.newest_common: the newest
-step that every rank has finished saving (each rank's newest, then the minimum over the ranks). At the end each rank saves its weights to
-DIR/final.rank<R>.pt. ``--slow-after K`` sleeps 0.3 s after every step past K, to leave a
-killer time to strike mid-training; the sleep changes no value.
+step that every rank has finished saving (None when some rank has none). At the end each rank
+saves its weights to DIR/final.rank<R>.pt. ``--slow-after K`` sleeps 0.3 s after every step
+past K, to leave a killer time to strike mid-training; the sleep changes no value.
 """
 import argparse
 import os

@@ -125,8 +125,8 @@ def observed_trace(ready: np.ndarray, update_s: float, nbytes: Sequence[int],
 
 
 class _Race:
-    """A race of plans (a schedule's ``race_against``): each candidate plan runs one warm-up and ``steps`` timed
-    iterations in turn; the fastest (slowest rank's best time) wins."""
+    """A race of plans (a schedule's ``race_against``): each candidate plan runs one warm-up
+    and ``steps`` timed iterations in turn; the fastest (slowest rank's best time) wins."""
 
     def __init__(self, candidates: List[planner.Prediction], steps: int):
         self.candidates, self.steps = candidates, steps

@@ -23,7 +23,8 @@ class TwoBitCompressor(Compressor):
         self.threshold = float(threshold)
 
     def encode(self, tensor, step=0, key="", shapes=(), names=()):
-        codes = (tensor >= self.threshold).to(torch.int8) - (tensor <= -self.threshold).to(torch.int8)
+        codes = ((tensor >= self.threshold).to(torch.int8)
+                 - (tensor <= -self.threshold).to(torch.int8))
         return Payload(codes, tensor.numel(), tensor.dtype)
 
     def decode(self, result, payload):
