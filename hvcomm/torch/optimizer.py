@@ -45,7 +45,7 @@ class _DistributedMixin:
         names = [name_of[p] for p in params]
         agree_on_parameters(averaging_comm(o), [(n, tuple(p.shape), str(p.dtype))
                                              for n, p in zip(names, params)]
-                            + [o.agreement_key()])
+                            + [o.agreement_key(name_of)])
         self._index = {p: i for i, p in enumerate(params)}
         self._parameter_names = dict(zip(params, names))  # Horovod's name; scripts read it
         self._passes_left = [o.backward_passes_per_step] * len(params)

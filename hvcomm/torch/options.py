@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from mpi4py import MPI
@@ -66,12 +66,19 @@ class Options:
             return self.fusion_threshold_bytes
         return 0 if scope == "layer" else ONE_BUCKET_BYTES
 
-    def agreement_key(self) -> tuple:
-        """What every rank must pass alike (besides the parameters)."""
+    def agreement_key(self, name_of: Dict[Any, str]) -> tuple:
+        """What every rank must pass alike (besides the parameters), of a resolved Options:
+        everything but the parameters themselves, the model and the process set (whose
+        members agree when it is made). ``name_of``: each parameter's name, to say ``groups``
+        by name."""
+        groups = self.groups
+        if isinstance(groups, list):
+            groups = [[name_of.get(p, "not a parameter") for p in g] for g in groups]
         return ("options", self.backward_passes_per_step, self.op,
                 self.gradient_predivide_factor, _described(self.compression), self.schedule,
                 self.profile_steps, self.slice_elems, self.model is not None, self.trial_steps,
-                repr(as_delay(self.delay)))
+                repr(as_delay(self.delay)), self.fusion_threshold_bytes, self.sparse_as_dense,
+                groups)
 
     # -- validation ----------------------------------------------------------------------------
     def problem(self, optimizer, size: int) -> Optional[str]:
@@ -202,7 +209,8 @@ def make_strategy(o: Options, params, names, opt: torch.optim.Optimizer,
 
 
 def agree_on_parameters(comm: MPI.Comm, spec: Sequence[tuple]) -> None:
-    """Raise on every rank if ranks hold different parameter names, shapes or dtypes."""
+    """Raise on every rank if ranks hold different parameter names, shapes or dtypes, or
+    different options (the last entries of ``spec``)."""
     spec = list(spec)
     digest = hashlib.sha1(repr(spec).encode()).hexdigest()
     digests = comm.allgather(digest)
@@ -215,5 +223,6 @@ def agree_on_parameters(comm: MPI.Comm, spec: Sequence[tuple]) -> None:
             diff = next((f"{a} vs {b}" for a, b in zip(specs[0], other) if a != b),
                         f"{len(specs[0])} vs {len(other)} parameters")
             lines.append(f"rank 0 vs rank {r}: {diff}")
-    raise HvcommError("DistributedOptimizer: ranks hold different models (name, shape, dtype): "
-                      + "; ".join(lines) + ". Build the same model on every rank.")
+    raise HvcommError("DistributedOptimizer: ranks hold different models (name, shape, dtype) "
+                      "or options: " + "; ".join(lines) + ". Build the same model and optimizer "
+                      "on every rank (also the environment: HVCOMM_FUSION_THRESHOLD_BYTES).")

@@ -165,5 +165,17 @@ def test_bad_input_raises_on_every_rank():
         expect_everywhere(lambda: build(model=wide), "ranks hold different models")
         renamed = [(("x." if odd else "") + k, p) for k, p in m.named_parameters()]
         expect_everywhere(lambda: build(named=renamed, model=m), "ranks hold different models")
+        # options that change the buckets: one rank bucketing otherwise would pair other
+        # tensors in each sum
+        expect_everywhere(lambda: hvd.DistributedOptimizer(
+            make_opt(m), named_parameters=m.named_parameters(),
+            fusion_threshold_bytes=64 if odd else None), "or options")
+        params = list(m.parameters())
+        expect_everywhere(lambda: hvd.DistributedOptimizer(
+            make_opt(m), named_parameters=m.named_parameters(),
+            groups=[params[:1], params[1:]] if odd else [params[:2], params[2:]]), "or options")
+        expect_everywhere(lambda: hvd.DistributedOptimizer(
+            make_opt(m), named_parameters=m.named_parameters(), groups=2 if odd else 3),
+            "or options")
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # still usable afterwards
 
