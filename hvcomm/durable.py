@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Callable, IO
 
 
-def _writer() -> str:
+def _temporary_suffix() -> str:
     return f"{socket.gethostname()}.{os.getpid()}.tmp"
 
 
 def temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{_writer()}")
+    return path.with_name(f".{path.name}.{_temporary_suffix()}")
 
 
 def write(path: Path, fill: Callable[[IO[bytes]], None]) -> Path:
@@ -51,7 +51,7 @@ def sync_directory(directory: Path) -> None:
 def remove_stale(directory: Path, glob: str) -> None:
     """Remove the temporaries matching ``glob`` in ``directory`` that other processes (killed
     writers, or this rank's earlier runs) left; this process's own are kept."""
-    mine = f".{_writer()}"
+    mine = f".{_temporary_suffix()}"
     for stale in Path(directory).glob(glob):
         if stale.name.endswith(".tmp") and not stale.name.endswith(mine):
             stale.unlink(missing_ok=True)

@@ -2,6 +2,12 @@
 import json
 
 
+def logged_ranks(directory):
+    """The world ranks that left a log in ``directory``."""
+    return sorted(int(f.name[len("steps.rank"):-len(".jsonl")])
+                  for f in directory.glob("steps.rank*.jsonl"))
+
+
 def logged(directory, rank):
     """World rank ``rank``'s log: one dict per line."""
     return [json.loads(line) for line in (directory / f"steps.rank{rank}.jsonl").read_text()

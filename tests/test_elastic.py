@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hvcomm.cluster import launch, netem, outcome
-from elastic_logs import logged, newest_saved_by_all
+from elastic_logs import logged, logged_ranks, newest_saved_by_all
 from mpi_launch import HERE
 
 SCRIPT = str(HERE / "mpi" / "elastic_train.py")
@@ -66,12 +66,8 @@ def assert_same_weights(a_dir, expected):
 
 def sizes_logged(directory):
     """Every world size a step was completed at, per world rank."""
-    seen = {}
-    for f in directory.glob("steps.rank*.jsonl"):
-        rows = [json.loads(line) for line in f.read_text().splitlines()]
-        seen[int(f.name.split("rank")[1].split(".")[0])] = sorted({r["size"] for r in rows
-                                                                  if "size" in r})
-    return seen
+    return {rank: sorted({row["size"] for row in logged(directory, rank) if "size" in row})
+            for rank in logged_ranks(directory)}
 
 
 def last_commit_before(step):
@@ -103,9 +99,8 @@ def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
 
 def restored_steps(directory):
     """The step each surviving rank restored in its recovery (from its reset callback)."""
-    return {row["restored"] for f in directory.glob("steps.rank*.jsonl")
-            for row in logged(directory, f.name.split("rank")[1].split(".")[0])
-            if "restored" in row}
+    return {row["restored"] for rank in logged_ranks(directory)
+            for row in logged(directory, rank) if "restored" in row}
 
 
 @pytest.mark.parametrize("method", ["none", "gtopk", "randomk", "powersgd", "od-sgd", "p3"])
