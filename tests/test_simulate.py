@@ -87,6 +87,25 @@ def test_delayed_family_with_slow_network():
     assert ms("cd-sgd", big, 4, delay_k=1) == pytest.approx(48.06 + 0.5)
 
 
+def test_periodic_methods_pay_one_allreduce_per_period():
+    big = trace((1_000_000, 1e-3, 2e-3))     # 4 MB of weights, 3.5 ms of computation and update
+    # ring at P=4 of the whole model, 48.06 ms, once every period steps, not overlapped
+    for method in ("local-sgd", "diloco"):
+        assert ms(method, big, 4) == pytest.approx(3.5 + 48.06 / 16)
+        assert ms(method, big, 4, period=4) == pytest.approx(3.5 + 48.06 / 4)
+
+
+def test_streaming_diloco_hides_fragments_behind_inner_steps():
+    from hvcomm.torch.methods.diloco import DiLoCo
+    from hvcomm.torch.methods.periodic import periodic_s
+    c = S.case(trace((1_000_000, 1e-3, 2e-3)), S.Cluster.flat(4, NET))
+    # 4 fragments of 1 MB every 16 steps: a ring of 60 us + 1.5 * 1e6 B * 8 ns = 12.06 ms,
+    # of which 2 steps of 3.5 ms hide 7 ms
+    streaming = periodic_s(c, DiLoCo(period=16, fragments=4, overlap_steps=2))
+    assert streaming * 1e3 == pytest.approx(3.5 + 4 * (12.06 - 7) / 16)
+    assert periodic_s(c, DiLoCo(period=16)) * 1e3 == pytest.approx(3.5 + 48.06 / 16)
+
+
 def test_fp16_twobit_and_randomk_send_fewer_bytes():
     # ring at P=4 of one bucket: 2*3*10 us = 60 us + 2*3/4 * bytes * 8 ns, after 3 ms, + 0.5 ms
     assert ms("fp16", ONE, 4) == pytest.approx(3.5 + (60 + 1.5 * 2000 * 8e-3) / 1e3)

@@ -71,6 +71,7 @@ def test_compression_in_the_optimizer(n):
 @pytest.mark.parametrize("test_file, timeout", [
     ("test_schedule.py", 400),               # schedules change timing, never weights
     ("test_delayed.py", 300),                # OD / SSD / CD-SGD
+    ("test_periodic.py", 180),               # local SGD / DiLoCo
     ("test_collectives_property.py", PROPERTY_S),  # every collective against a reference
     ("test_horovod_api.py", 180),            # Horovod's API beyond the core
     ("test_powersgd.py", 180),               # PowerSGD against a serial reference

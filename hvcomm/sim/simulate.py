@@ -303,20 +303,23 @@ class Prediction:
 
 def case(trace: LayerTrace, cluster: Cluster, density: float = 0.001,
          compute: Optional[ComputeCost] = None, threshold_bytes: int = 25 << 20,
-         local_s: Optional[float] = None, slice_elems: int = 50_000, delay_k: int = 5) -> Case:
+         local_s: Optional[float] = None, slice_elems: int = 50_000, delay_k: int = 5,
+         period: int = 16) -> Case:
     """What a method's ``predict`` reads. ``compute`` defaults to the costs of the trace's
     device (:data:`COMPUTE`). ``density``: the sparse methods'; ``slice_elems``: P3's slice;
-    ``delay_k``: CD-SGD's full-precision period (hvcomm's defaults). ``local_s``: a measured
+    ``delay_k``: CD-SGD's full-precision period; ``period``: local SGD's and DiLoCo's
+    (hvcomm's defaults). ``local_s``: a measured
     per-iteration cost beyond the trace on one worker (the method's selection and error
     feedback, the framework's hooks and update), e.g. a replay on a one-rank communicator
     minus the trace (scripts/replay.py runs P of them at once, sharing the cores as the P
     workers do); it then stands in for the modelled local cost, and is on the critical path."""
     if not 0 < density <= 1:
         raise HvcommError(f"density must be in (0, 1], got {density}")
-    if slice_elems < 1 or delay_k < 1:
-        raise HvcommError(f"slice_elems and delay_k must be >= 1, got {slice_elems}, {delay_k}")
+    if slice_elems < 1 or delay_k < 1 or period < 1:
+        raise HvcommError(f"slice_elems, delay_k and period must be >= 1, got {slice_elems}, "
+                          f"{delay_k}, {period}")
     return Case(trace, cluster, compute or COMPUTE[trace.device], density, threshold_bytes,
-                slice_elems, delay_k, local_s=local_s)
+                slice_elems, delay_k, period=period, local_s=local_s)
 
 
 def unmodelled(method: str, c: Case) -> Optional[str]:

@@ -12,6 +12,8 @@ _EXPORTS = {
     ".methods": ("Compression",),
     ".methods.base": ("Compressor",),
     ".methods.delayed": ("Delay",),
+    ".methods.local_sgd": ("LocalSGD",),
+    ".methods.diloco": ("DiLoCo",),
     ".functions": ("broadcast_optimizer_state", "broadcast_parameters"),
     ".gather_ops": ("allgather_async", "allgather_object", "alltoall_async", "barrier",
                     "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",

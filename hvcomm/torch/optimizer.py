@@ -235,6 +235,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     :class:`hvcomm.torch.Delay`) turns on delayed synchronisation (see
     :mod:`hvcomm.torch.methods.delayed`):
     step() returns before the gradients are averaged, which happens during the next step.
+    ``delay="local-sgd"`` / ``"diloco"`` (or :class:`hvcomm.torch.LocalSGD`,
+    :class:`hvcomm.torch.DiLoCo`) averages the models every ``period`` steps instead (see
+    :mod:`hvcomm.torch.methods.periodic`).
     ``finish_pending()`` brings the model to the global weights (before evaluating);
     ``global_weights()`` returns them; everything is in ``state_dict()``.
     """

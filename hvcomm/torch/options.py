@@ -16,7 +16,7 @@ from collectives.errors import HvcommError
 from . import methods
 from .methods.base import Compressor, is_native, sends_as_is
 from .methods.buckets import ONE_BUCKET_BYTES, plan_groups
-from .methods.delayed import Delayed, as_delay
+from .methods.delayed import as_delay
 from .methods.strategy import BaseStep, Strategy
 from .methods.sync import Setup
 from .ops import Adasum, Average, Sum
@@ -195,17 +195,16 @@ def averaging_comm(o: Options) -> MPI.Comm:
 def make_strategy(o: Options, params, names, opt: torch.optim.Optimizer,
                   base_step: BaseStep) -> Strategy:
     """The synchronisation strategy these options choose (``o`` resolved): the schedule
-    method's, or bucketed averaging by the fusion threshold (or ``groups=``), delayed when
-    ``delay=`` says so."""
+    method's, the delay method's, or bucketed averaging by the fusion threshold (or
+    ``groups=``)."""
     comm = averaging_comm(o)
     setup = Setup(o, params, names, opt, base_step, runtime().engine, comm, o.op == Adasum,
                   o.predivide, o.scale(comm.Get_size()))
     if o.schedule is not None:
         return methods.get(o.schedule, "schedule").strategy(setup)
-    dense_at = o.delay.sends_dense if o.delay is not None else (lambda step: False)
-    sync = setup.synchronous(plan_groups(params, o.groups, o.bucket_threshold_bytes()),
-                             dense_at=dense_at)
-    return Delayed(sync, o.delay, opt) if o.delay is not None else sync
+    if o.delay is not None:
+        return o.delay.method.strategy(setup)
+    return setup.synchronous(plan_groups(params, o.groups, o.bucket_threshold_bytes()))
 
 
 def agree_on_parameters(comm: MPI.Comm, spec: Sequence[tuple]) -> None:

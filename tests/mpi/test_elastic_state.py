@@ -19,12 +19,12 @@ def started():
     yield
 
 
-def make_state(compression=hvd.Compression.none):
+def make_state(compression=hvd.Compression.none, **kw):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 5)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
-                                   compression=compression)
+                                   compression=compression, **kw)
     return model, opt, hvd.elastic.TorchState(model, opt, epoch=0)
 
 
@@ -109,6 +109,35 @@ def test_sync_gives_every_rank_rank_0s_hvcomm_state_and_keeps_its_residuals():
         assert torch.equal(after["residuals_by_param"][k], r), k
     residual_sums = MPI.COMM_WORLD.allgather(float(sum(r.abs().sum() for r in mine.values())))
     assert SIZE == 1 or len(set(residual_sums)) == SIZE  # the residuals really are per rank
+
+
+def test_sync_under_diloco_gives_every_rank_rank_0s_model_and_global_state():
+    """DiLoCo, period 2, two fragments: four steps on each rank's own data leave different
+    local weights; an exchange in flight (overlap_steps=1). sync() must give every rank rank
+    0's local weights, global weights, outer momentum and the exchange waited for."""
+    model, opt, state = make_state(delay=hvd.DiLoCo(period=2, fragments=2, overlap_steps=1,
+                                                    outer_lr=0.5, outer_momentum=0.5))
+    g = torch.Generator().manual_seed(RANK)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=g)).pow(2).sum().backward()
+        opt.step()
+    rank0 = MPI.COMM_WORLD.bcast((opt.state_dict()["hvcomm"], model.state_dict())
+                                 if RANK == 0 else None, root=0)
+    mine = [p.detach().clone() for p in model.parameters()]
+    different = MPI.COMM_WORLD.allgather(float(sum(p.sum() for p in mine)))
+    assert SIZE == 1 or len(set(different)) == SIZE  # the local weights really are per rank
+    state.sync()
+    after, weights = opt.state_dict()["hvcomm"], model.state_dict()
+    for k, v in rank0[1].items():
+        assert torch.equal(weights[k], v), k
+    ours, theirs = after["periodic"], rank0[0]["periodic"]
+    assert ours["W"].keys() == theirs["W"].keys() and ours["outer_momentum"]
+    for part in ("W", "outer_momentum"):
+        for k, v in theirs[part].items():
+            assert torch.equal(ours[part][k], v), (part, k)
+    assert [(due, f, sorted(a)) for due, f, a in ours["averaged"]] == \
+        [(due, f, sorted(a)) for due, f, a in theirs["averaged"]]
 
 
 @pytest.fixture

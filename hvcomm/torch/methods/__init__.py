@@ -5,7 +5,8 @@ module declares). A new method is one new module and its name in :data:`MODULES`
 Beside them, the machinery the methods are built from: :mod:`strategy` and :mod:`sync`
 (bucketed synchronous averaging), :mod:`buckets`, :mod:`reducer` (one bucket's trip),
 :mod:`memory` (error feedback), :mod:`selection` (top-k selectors), :mod:`schedule` (profiling
-and planned groupings) and :mod:`delayed` (the global weights of the delayed modes).
+and planned groupings), :mod:`delayed` (the global weights of the delayed modes) and
+:mod:`periodic` (local SGD's and DiLoCo's periodic averaging).
 Importing this package needs no MPI library.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ MODULES = (
     "none", "fp16", "topk", "gtopk", "randomk", "twobit", "powersgd",  # what travels (compression=)
     "mgwfbp", "merge_rule", "wfbp", "single", "threshold", "p3",  # which travel together, when
     "od_sgd", "ssd_sgd", "cd_sgd",                                # delayed synchronisation
+    "local_sgd", "diloco",                                        # ... and periodic averaging
 )
 
 REGISTRY: Dict[str, Method] = {}

@@ -8,7 +8,9 @@ A method is one way of synchronising gradients. Its module (one file in this fol
 - :class:`ScheduleMethod`: which gradients travel together, and when (``schedule=<name>``);
   it builds the strategy (:mod:`hvcomm.torch.methods.strategy`);
 - :class:`hvcomm.torch.methods.delayed.DelayMethod`: delayed synchronisation (``delay=<name>``):
-  its step rules, around the machinery of that module.
+  its step rules, around the machinery of that module; or
+  :class:`hvcomm.torch.methods.periodic.PeriodicMethod`, periodic averaging of the models
+  (``delay=<its settings>``).
 
 Each also predicts its iteration time for the simulator from a :class:`Case` (``predict``).
 Nothing here imports an MPI library: the simulator and the advisor read these modules without
@@ -45,6 +47,7 @@ class Case:
     slice_elems: int = 50_000
     delay_k: int = 5
     rank: int = 4
+    period: int = 16
     local_s: Optional[float] = None
 
     @property

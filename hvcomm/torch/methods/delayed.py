@@ -30,6 +30,7 @@ from collectives.errors import HvcommError
 
 from .. import timeline
 from .base import Method
+from .buckets import plan_groups
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
 
@@ -57,6 +58,9 @@ class Delay:
         if self.mode not in names("delay"):
             return f"delay mode must be one of {names('delay')}, got {self.mode!r}"
         method = self.method
+        if not isinstance(method, DelayMethod):
+            settings = type(method.default_settings()).__name__
+            return f"delay mode {self.mode!r} takes hvcomm.torch.{settings}(...), not a Delay"
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             return f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
         if not isinstance(self.k, int) or self.k < 1:
@@ -82,13 +86,19 @@ class Delay:
         return j < 0 or self.is_full_precision(j)
 
 
-def as_delay(delay) -> Optional[Delay]:
-    if delay is None or isinstance(delay, Delay):
+def as_delay(delay):
+    """``delay=`` as given: None, a settings object (a Delay, LocalSGD or DiLoCo), or a delay
+    method's name (its default settings)."""
+    from . import REGISTRY, names
+    from .periodic import Periodic
+    if delay is None or isinstance(delay, (Delay, Periodic)):
         return delay
     if isinstance(delay, str):
-        return Delay(delay)
-    from . import names
-    raise HvcommError(f"delay must be None, a Delay or one of {names('delay')}, got {delay!r}")
+        method = REGISTRY.get(delay)
+        return method.default_settings() if method is not None and method.role == "delay" \
+            else Delay(delay)  # whose problem() lists the valid names
+    raise HvcommError(f"delay must be None, a Delay, LocalSGD or DiLoCo, or one of "
+                      f"{names('delay')}, got {delay!r}")
 
 
 @torch.no_grad()
@@ -284,6 +294,17 @@ class DelayMethod(Method):
         if w_then is not None:
             step.add_(cfg.dc_lambda * g * g * (p - w_then))
         p.sub_(lr * step)
+
+    def default_settings(self) -> Delay:
+        return Delay(self.name)
+
+    def strategy(self, setup) -> Delayed:
+        """A Synchronous of the fusion buckets (or ``groups=``), dense at the warm-up and
+        full-precision steps, inside the delayed machinery."""
+        o = setup.options
+        sync = setup.synchronous(plan_groups(setup.params, o.groups, o.bucket_threshold_bytes()),
+                                 dense_at=o.delay.sends_dense)
+        return Delayed(sync, o.delay, setup.optimizer)
 
     def predict(self, case):
         return delayed_s(case)

@@ -7,7 +7,8 @@ each event to one strategy object chosen at construction:
   their gradients are final; its groupings come from the fusion threshold, explicit groups,
   or a :class:`hvcomm.torch.methods.schedule.ScheduledPlans` (MG-WFBP and the baselines);
 - :class:`hvcomm.torch.methods.p3.P3`: priority slices, per-module deferred updates;
-- :class:`hvcomm.torch.methods.delayed.Delayed`: OD / SSD / CD-SGD around a Synchronous.
+- :class:`hvcomm.torch.methods.delayed.Delayed`: OD / SSD / CD-SGD around a Synchronous;
+- :class:`hvcomm.torch.methods.periodic.PeriodicAveraging`: local SGD and DiLoCo.
 
 Each strategy owns its state and its checkpoint entry (``state_dict()["hvcomm"]``).
 """

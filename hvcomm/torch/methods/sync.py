@@ -5,7 +5,7 @@ planner-driven source of plans (:class:`hvcomm.torch.methods.schedule.ScheduledP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,16 +26,16 @@ class Synchronous(Strategy):
     times predivide). ``dense_at(step)``: steps whose buckets go uncompressed (the delayed
     modes' warm-up and CD-SGD's full-precision steps). ``comm``: a process set's
     communicator (default: every rank). ``adasum``: buckets are combined by Adasum instead
-    of summed."""
+    of summed. ``memory``: the error-feedback residuals (default: its own)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  base_step: BaseStep, engine, compression: Compressor,
                  groups: Sequence[Sequence[int]], *, predivide: float = 1.0,
                  scale: float = 1.0, plans=None,
                  dense_at: Callable[[int], bool] = lambda step: False, comm=None,
-                 adasum: bool = False):
+                 adasum: bool = False, memory: Optional[ErrorFeedback] = None):
         super().__init__(params, names, base_step)
-        self.memory = ErrorFeedback()
+        self.memory = ErrorFeedback() if memory is None else memory
         self.comm_stats, self.steps = CommStats(), 0
         self._reducer = Reducer(engine, compression, self.memory, comm, adasum)
         self._dense_reducer = Reducer(engine, NoneCompressor(), self.memory, comm, adasum)
