@@ -15,7 +15,8 @@ import hvcomm.torch as hvd
 import references as ref
 from harness import assert_none_anywhere, default_dtype, expect_everywhere
 from training import (QUADRATIC_SGD, Net, assert_close, assert_same_everywhere,
-                      build_quadratic, data, loss_fn, make_opt, mismatches, shard, train_serial)
+                      against_reference, build_quadratic, data, loss_fn, make_opt, mismatches,
+                      shard, train_serial)
 
 STEPS = 8
 MODES = {
@@ -176,30 +177,13 @@ def test_matches_the_serial_reference(name, reload_at, steps=9):
     P, r = hvd.size(), hvd.rank()
     kw, spec, comp, data = REFERENCED[name](P)
     sim = ref.Simulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), comp, spec, **data)
-    model, opt = build_quadratic(SHAPES, data, **kw)
-    problems = []
 
-    def compare(when, want):
-        W = opt.global_weights()
-        for n, p in model.named_parameters():
-            problems.extend(mismatches(f"{when}: local weights {n}", p, want.local[r][n]))
-            problems.extend(mismatches(f"{when}: global weights {n}", W[n], want.W[n]))
-    for s in range(steps):
-        if s == reload_at:
-            state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
-            residuals = state["hvcomm"]["residuals_by_param"]
-            for n, want in sim.snapshot().residuals[r].items():
-                problems.extend(mismatches(f"step {s}: residual {n}", residuals[n], want))
-            model, opt = build_quadratic(SHAPES, data, **kw)
-            model.load_state_dict(weights)
-            opt.load_state_dict(state)
-        opt.zero_grad()
-        model.loss(r, s, P).backward()
-        opt.step()
-        compare(f"step {s}", sim.step())
-    opt.finish_pending()
-    compare("finish_pending", sim.finish_pending())
-    assert_none_anywhere(problems)
+    def residuals_match(s, state):
+        residuals = state["hvcomm"]["residuals_by_param"]
+        return [line for n, want in sim.snapshot().residuals[r].items()
+                for line in mismatches(f"step {s}: residual {n}", residuals[n], want)]
+    assert_none_anywhere(against_reference(sim, lambda: build_quadratic(SHAPES, data, **kw),
+                                           steps, reload_at, residuals_match))
 
 
 @pytest.mark.parametrize("comp", [

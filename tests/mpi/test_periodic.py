@@ -3,7 +3,6 @@ independent serial reference of references.py, exactly (warm-up, local steps, ex
 Nesterov momentum, fragments exchanged in turn while inner steps compute, a checkpoint reloaded
 mid-run, finish_pending); the global weights agree on every rank; the bytes sent; bad
 settings raise on every rank."""
-import copy
 from fractions import Fraction
 
 import pytest
@@ -13,7 +12,7 @@ import hvcomm.torch as hvd
 
 import references as ref
 from harness import assert_none_anywhere, default_dtype, expect_everywhere
-from training import QUADRATIC_SGD, build_quadratic, mismatches
+from training import QUADRATIC_SGD, against_reference, build_quadratic
 
 Q = Fraction
 # hvcomm's settings and the reference's, alike
@@ -48,30 +47,10 @@ def test_matches_the_serial_reference(name, reload_at, steps=10):
     """Every step's local weights (this rank's) and global weights equal the reference's
     exactly; before step ``reload_at`` the state is saved and loaded into a new model and
     optimizer (mid-exchange for the overlapped ones); then finish_pending."""
-    P, r = hvd.size(), hvd.rank()
     settings, spec = REFERENCED[name]
-    sim = ref.PeriodicSimulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec)
-    model, opt = build_quadratic(SHAPES, delay=settings)
-    problems = []
-
-    def compare(when, want):
-        W = opt.global_weights()
-        for n, p in model.named_parameters():
-            problems.extend(mismatches(f"{when}: local weights {n}", p, want.local[r][n]))
-            problems.extend(mismatches(f"{when}: global weights {n}", W[n], want.W[n]))
-    for s in range(steps):
-        if s == reload_at:
-            state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
-            model, opt = build_quadratic(SHAPES, delay=settings)
-            model.load_state_dict(weights)
-            opt.load_state_dict(state)
-        opt.zero_grad()
-        model.loss(r, s, P).backward()
-        opt.step()
-        compare(f"step {s}", sim.step())
-    opt.finish_pending()
-    compare("finish_pending", sim.finish_pending())
-    assert_none_anywhere(problems)
+    sim = ref.PeriodicSimulation(hvd.size(), SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec)
+    assert_none_anywhere(against_reference(sim, lambda: build_quadratic(SHAPES, delay=settings),
+                                           steps, reload_at))
 
 
 def test_the_fragments_split_as_documented():

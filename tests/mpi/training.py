@@ -143,6 +143,40 @@ def build_quadratic(shapes, data=None, **kw):
     return model, opt
 
 
+def against_reference(sim, build, steps, reload_at=None, at_reload=None):
+    """Train the Quadratic that ``build()`` makes (returns model, optimizer) for ``steps``
+    steps beside the serial reference ``sim`` (a references.Simulation or
+    PeriodicSimulation), then finish_pending; before step ``reload_at`` the state is saved
+    and loaded into a new model and optimizer (``at_reload(step, saved optimizer state)``
+    returns problems found in it). Returns where this rank's local weights or the global
+    weights ever differed from the reference's."""
+    import copy
+    P, r = hvd.size(), hvd.rank()
+    model, opt = build()
+    problems = []
+
+    def compare(when, want):
+        W = opt.global_weights()
+        for n, p in model.named_parameters():
+            problems.extend(mismatches(f"{when}: local weights {n}", p, want.local[r][n]))
+            problems.extend(mismatches(f"{when}: global weights {n}", W[n], want.W[n]))
+    for s in range(steps):
+        if s == reload_at:
+            state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+            if at_reload is not None:
+                problems.extend(at_reload(s, state))
+            model, opt = build()
+            model.load_state_dict(weights)
+            opt.load_state_dict(state)
+        opt.zero_grad()
+        model.loss(r, s, P).backward()
+        opt.step()
+        compare(f"step {s}", sim.step())
+    opt.finish_pending()
+    compare("finish_pending", sim.finish_pending())
+    return problems
+
+
 def mismatches(what, got, want):
     """Where the float64 tensor ``got`` is not exactly the reference's Fractions ``want``
     (one line, empty if none); a reference value that float64 cannot hold is named as such
