@@ -162,7 +162,9 @@ class _DistributedMixin:
         before the next backward, ``state_dict()`` and the model's ``state_dict()``).
         ``delay=``: waits for the last step's allreduce, advances the global weights with it
         and sets the local weights to them (the next step then starts from W; the same on
-        every rank). Call it before evaluating or saving the model for inference."""
+        every rank). ``delay=LocalSGD/DiLoCo``: applies the exchanges under way and sets the
+        local weights to W (no exchange is started). Call it before evaluating or saving the
+        model for inference."""
         self._strategy.finish_pending()
 
     def global_weights(self) -> Dict[str, torch.Tensor]:

@@ -40,11 +40,12 @@ class Options:
     slice_elems: int = 50_000
     model: Optional[torch.nn.Module] = None
     trial_steps: int = 5
-    delay: Any = None              # as given; :meth:`resolved` turns it into a Delay
+    delay: Any = None              # as given; :meth:`resolved` turns a name into its settings
 
     # -- derived -------------------------------------------------------------------------------
     def resolved(self, default_threshold_bytes: int) -> "Options":
-        """After :meth:`problem` found nothing: the Delay object and the fusion threshold."""
+        """After :meth:`problem` found nothing: the delay's settings object (a Delay, LocalSGD
+        or DiLoCo) and the fusion threshold."""
         threshold = self.fusion_threshold_bytes
         return dataclasses.replace(self, delay=as_delay(self.delay),
                                    fusion_threshold_bytes=(default_threshold_bytes
@@ -176,6 +177,10 @@ def _delay_problem(o: Options) -> Optional[str]:
     if delay is None:
         return None
     problem = delay.problem(sends_as_is(o.compression))
+    if problem is None and delay.method.averages_models and (
+            o.op != Average or o.gradient_predivide_factor != 1.0):
+        problem = (f"delay={delay.mode!r} averages the models: leave op=Average and "
+                   "gradient_predivide_factor=1.0")
     if problem is None and o.schedule is not None:
         problem = "delay= and schedule= cannot be combined; leave schedule=None"
     if problem is None and not is_native(o.compression):

@@ -482,15 +482,11 @@ class PeriodicSimulation:
         self.waiting = rest
 
     def finish_pending(self) -> Snapshot:
-        """Exchanges under way are applied; then every fragment is exchanged at once, and
-        every rank takes the global weights."""
+        """Exchanges under way are applied (none is started); every rank takes the global
+        weights."""
         self._apply(None)
-        if self.step_index >= self.spec.warmup_steps:
-            for names in self.frags:
-                self.waiting.append((0, names, self._average(names)))
-            self._apply(None)
-            for r in range(self.size):
-                self.local[r] = {n: list(v) for n, v in self.W.items()}
+        for r in range(self.size):
+            self.local[r] = {n: list(v) for n, v in self.W.items()}
         return self.snapshot()
 
     def snapshot(self) -> Snapshot:

@@ -127,6 +127,13 @@ def test_sync_under_diloco_gives_every_rank_rank_0s_model_and_global_state():
     mine = [p.detach().clone() for p in model.parameters()]
     different = MPI.COMM_WORLD.allgather(float(sum(p.sum() for p in mine)))
     assert SIZE == 1 or len(set(different)) == SIZE  # the local weights really are per rank
+    if RANK > 0:  # what sync() must bring back from rank 0
+        spoiled = opt.state_dict()
+        ours = spoiled["hvcomm"]["periodic"]
+        for part in ("W", "outer_momentum"):
+            ours[part] = {k: v + 1 for k, v in ours[part].items()}
+        ours["averaged"] = []
+        opt.load_state_dict(spoiled)
     state.sync()
     after, weights = opt.state_dict()["hvcomm"], model.state_dict()
     for k, v in rank0[1].items():
@@ -137,7 +144,10 @@ def test_sync_under_diloco_gives_every_rank_rank_0s_model_and_global_state():
         for k, v in theirs[part].items():
             assert torch.equal(ours[part][k], v), (part, k)
     assert [(due, f, sorted(a)) for due, f, a in ours["averaged"]] == \
-        [(due, f, sorted(a)) for due, f, a in theirs["averaged"]]
+        [(due, f, sorted(a)) for due, f, a in theirs["averaged"]] and ours["averaged"]
+    for (_, _, mine_now), (_, _, want) in zip(ours["averaged"], theirs["averaged"]):
+        for k, v in want.items():
+            assert torch.equal(mine_now[k], v), k
 
 
 @pytest.fixture

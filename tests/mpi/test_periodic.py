@@ -116,6 +116,23 @@ def test_bad_settings_raise_on_every_rank():
                       "at most one fragment per parameter")
     expect_everywhere(lambda: build(delay=hvd.Delay("diloco")), "takes hvcomm.torch.DiLoCo")
     expect_everywhere(lambda: build(delay="diloco", schedule="wfbp"), "cannot be combined")
+    expect_everywhere(lambda: build(delay="local-sgd", op=hvd.Sum), "leave op=Average")
+    _, saved = build(delay=hvd.LocalSGD(period=2))
+    _, other = build(delay=hvd.DiLoCo(period=2))
+    expect_everywhere(lambda: other.load_state_dict(saved.state_dict()), "make it as it was")
+
+
+def test_finish_pending_twice_changes_nothing():
+    model, opt = build_quadratic(SHAPES, delay=hvd.DiLoCo(period=2, outer_lr=0.5,
+                                                          outer_momentum=0.5))
+    for s in range(3):
+        opt.zero_grad()
+        model.loss(hvd.rank(), s, hvd.size()).backward()
+        opt.step()
+    opt.finish_pending()
+    first = [p.detach().clone() for p in model.parameters()]
+    opt.finish_pending()
+    assert all(torch.equal(a, b) for a, b in zip(first, model.parameters()))
 
 
 def test_a_name_selects_the_defaults():

@@ -29,6 +29,12 @@ class CommStats:
         self.sent_bytes += sent_bytes
         self.payload_bytes += payload_bytes
 
+    def include(self, other: "CommStats") -> None:
+        """Add another synchronisation's counts to these."""
+        self.messages += other.messages
+        self.sent_bytes += other.sent_bytes
+        self.payload_bytes += other.payload_bytes
+
 
 @dataclass
 class Bucket:

@@ -1,6 +1,7 @@
-"""Local SGD (Lin et al., ICLR 2020, "post-local SGD"; PyTorch's ``PostLocalSGDOptimizer``
-with ``PeriodicModelAverager``): ``warmup_steps`` synchronous steps, then every rank steps on
-its own and the models are averaged every ``period`` steps (the machinery of
+"""Local SGD (Lin et al., ICLR 2020, "post-local SGD"; like PyTorch's ``PostLocalSGDOptimizer``
+with ``PeriodicModelAverager``, which also averages at the first step after the warm-up):
+``warmup_steps`` synchronous steps, then every rank steps on its own and the models are
+averaged after every ``period``-th local step (the machinery of
 :mod:`hvcomm.torch.methods.periodic`, with outer learning rate 1 and no momentum)."""
 from __future__ import annotations
 

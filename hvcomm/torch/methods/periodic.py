@@ -221,7 +221,7 @@ class PeriodicAveraging(Strategy):
             with timeline.measure("outer wait"):
                 sums = sync.collect(launched)
             sync.steps += 1
-            self.comm_stats.add(sync.comm_stats.sent_bytes, sync.comm_stats.payload_bytes)
+            self.comm_stats.include(sync.comm_stats)
             names = sync.names
             self._averaged.append((due, f, {names[j]: g.div(self.size) for j, g in sums}))
         self._in_flight = keep
@@ -259,18 +259,12 @@ class PeriodicAveraging(Strategy):
 
     # -- the rest of the interface -----------------------------------------------------------
     def finish_pending(self) -> None:
-        """Apply the exchanges under way, then exchange every fragment now (one outer step
-        outside the period) and set the local weights to W: the same model on every rank."""
+        """Apply the exchanges under way (waiting for them) and set the local weights to W:
+        the same model on every rank. It starts no exchange, so the local steps since each
+        fragment's last one are dropped: end a run after a multiple of ``period`` local steps
+        (plus ``overlap_steps``) to drop none. Calling it again changes nothing."""
         if self._W is None:
             return
-        self._collect(None)
-        for _, f, averaged in self._averaged:
-            self._outer_step(f, averaged)
-        self._averaged = []
-        if self._warming_up():
-            return
-        for f in range(len(self._fragments)):
-            self._launch(f, self._local_step)
         self._collect(None)
         for _, f, averaged in self._averaged:
             self._outer_step(f, averaged)
@@ -300,6 +294,7 @@ class PeriodicAveraging(Strategy):
         return {
             "step": self.steps, "residuals_by_param": self.memory.state_dict(),
             "periodic": {
+                "settings": repr(self.settings),
                 "W": None if self._W is None else by_name(self._W),
                 "outer_momentum": momentum,
                 "averaged": [(due, f, {k: v.clone() for k, v in avg.items()})
@@ -320,9 +315,12 @@ class PeriodicAveraging(Strategy):
             raise HvcommError("the checkpoint was saved by an optimizer without local SGD or "
                               "DiLoCo (delay=LocalSGD/DiLoCo): load it into one made as it was")
         ours = state["periodic"]
-        if len(ours["fragments"]) != len(self._fragments):
-            raise HvcommError(f"the checkpoint has {len(ours['fragments'])} fragments, this "
-                              f"optimizer {len(self._fragments)}: use the same fragments=")
+        if ours["settings"] != repr(self.settings):
+            raise HvcommError(f"the checkpoint was saved with delay={ours['settings']}, this "
+                              f"optimizer has delay={self.settings!r}: make it as it was saved")
+        if ours["W"] is not None and set(ours["W"]) != set(self.names):
+            raise HvcommError("the checkpoint's global weights are of other parameters: "
+                              f"{sorted(set(ours['W']) ^ set(self.names))[:5]} differ")
         self.steps = state["step"]
         for frag, saved in zip(self._fragments, ours["fragments"]):
             frag.sync.load_state_dict({**saved, "residuals_by_param": state["residuals_by_param"]})
@@ -353,6 +351,7 @@ class PeriodicMethod(Method):
 
     role = "delay"
     settings = Periodic
+    averages_models = True
 
     def default_settings(self, **kw) -> Periodic:
         return self.settings(**kw)
