@@ -412,12 +412,18 @@ class PeriodicSimulation:
     warm-up steps average the gradients; after local step t (from 1) fragment f's average
     difference from the global weights is taken when t mod H = f*H // F, and applied
     ``overlap_steps`` later by the outer SGD (torch's momentum rule, Nesterov optional),
-    after which each rank's fragment becomes (1 - mix) * local + mix * global."""
+    after which each rank's fragment becomes (1 - mix) * local + mix * global. ``comp``: the
+    differences travel through this compressor (top-k or 2-bit, one bucket per fragment),
+    each rank keeping its residual."""
 
     def __init__(self, size: int, shapes: Shapes, sgd: SGD, spec: PeriodicSpec,
-                 curved: bool = True, spread: int = 4):
+                 curved: bool = True, spread: int = 4, comp=None):
+        assert comp is None or isinstance(comp, TwoBit) or (isinstance(comp, TopK)
+                                                          and not comp.tree)
         self.size, self.shapes, self.names = size, shapes, list(shapes)
-        self.sgd, self.spec, self.spread = sgd, spec, spread
+        self.sgd, self.spec, self.spread, self.comp = sgd, spec, spread, comp
+        self.residuals: List[Dict[str, Vector]] = [{} for _ in range(size)]
+        self.exchanges = [0] * spec.fragments  # of each fragment so far
         self.h = {n: curvature(n, numel(s), curved) for n, s in shapes.items()}
         start = initial_weights(shapes)
         self.local = [{n: list(v) for n, v in start.items()} for _ in range(size)]
@@ -451,14 +457,41 @@ class PeriodicSimulation:
             self._apply(t)
             for f, names in enumerate(self.frags):
                 if t % d.period == f * d.period // d.fragments:
-                    self.waiting.append((t + d.overlap_steps, names, self._average(names)))
+                    self.waiting.append((t + d.overlap_steps, names, self._average(f)))
             self._apply(t)
         self.step_index += 1
         return self.snapshot()
 
-    def _average(self, names) -> Dict[str, Vector]:
-        return {n: [sum(self.W[n][i] - self.local[r][n][i] for r in range(self.size))
-                    / self.size for i in range(len(self.W[n]))] for n in names}
+    def _average(self, f: int) -> Dict[str, Vector]:
+        """The average over the ranks of fragment f's difference W - w (as sent)."""
+        names, P = self.frags[f], self.size
+        deltas = [{n: [a - b for a, b in zip(self.W[n], self.local[r][n])] for n in names}
+                  for r in range(P)]
+        step, self.exchanges[f] = self.exchanges[f], self.exchanges[f] + 1
+        if self.comp is None:
+            return {n: [sum(d[n][i] for d in deltas) / P for i in range(len(self.W[n]))]
+                    for n in names}
+        group = list(reversed(names))  # one bucket, in the backward order
+        sizes = [len(self.W[n]) for n in group]
+        sent = []
+        for r, d in enumerate(deltas):
+            acc = [x for n in group for x in d[n]]
+            if self.comp.error_feedback:
+                kept = [x for n, m in zip(group, sizes)
+                        for x in self.residuals[r].get(n, [Fraction(0)] * m)]
+                acc = [a + e for a, e in zip(acc, kept)]
+            payload, residual = encode(self.comp, acc, step, "|".join(group))
+            at = 0
+            for n, m in zip(group, sizes):
+                self.residuals[r][n] = residual[at:at + m]
+                at += m
+            sent.append(payload)
+        total, _ = reduce(self.comp, sent, sum(sizes), step)
+        out, at = {}, 0
+        for n, m in zip(group, sizes):
+            out[n] = [x / P for x in total[at:at + m]]
+            at += m
+        return out
 
     def _apply(self, t: Optional[int]) -> None:
         d, rest = self.spec, []
@@ -491,4 +524,5 @@ class PeriodicSimulation:
 
     def snapshot(self) -> Snapshot:
         copy = lambda by_name: {n: list(v) for n, v in by_name.items()}  # noqa: E731
-        return Snapshot([copy(x) for x in self.local], copy(self.W), [{} for _ in self.local])
+        return Snapshot([copy(x) for x in self.local], copy(self.W),
+                        [copy(x) for x in self.residuals])

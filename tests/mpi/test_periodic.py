@@ -12,7 +12,7 @@ import hvcomm.torch as hvd
 
 import references as ref
 from harness import assert_none_anywhere, default_dtype, expect_everywhere
-from training import QUADRATIC_SGD, against_reference, build_quadratic
+from training import QUADRATIC_SGD, against_reference, build_quadratic, mismatches
 
 Q = Fraction
 # hvcomm's settings and the reference's, alike
@@ -34,6 +34,20 @@ REFERENCED = {
 SHAPES = {"a": (2, 3), "b": (4,), "c": (3,), "d": (1,)}
 
 
+# through a compressor with error feedback: exact where the average of what the ranks chose
+# is (P a power of two)
+COMPRESSED = {
+    "diloco-topk": (dict(delay=hvd.DiLoCo(period=2, outer_lr=0.5, outer_momentum=0.5,
+                                          fragments=2),
+                         compression=hvd.Compression.topk(0.25, scope="bucket")),
+                    ref.PeriodicSpec(2, 0, Q(1, 2), Q(1, 2), True, 2), ref.TopK(0.25,
+                                                                               scope="bucket")),
+    "local-sgd-twobit": (dict(delay=hvd.LocalSGD(period=2, warmup_steps=1),
+                              compression=hvd.Compression.twobit(1.0)),
+                         ref.PeriodicSpec(2, 1), ref.TwoBit(Q(1))),
+}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def started():
     with default_dtype(torch.float64):
@@ -51,6 +65,27 @@ def test_matches_the_serial_reference(name, reload_at, steps=10):
     sim = ref.PeriodicSimulation(hvd.size(), SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec)
     assert_none_anywhere(against_reference(sim, lambda: build_quadratic(SHAPES, delay=settings),
                                            steps, reload_at))
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED))
+def test_compressed_differences_match_the_serial_reference(name, steps=9):
+    """The differences through top-k / 2-bit with each rank's residual: every step's weights
+    equal the reference's, and so do the residuals saved at step 5."""
+    P, r = hvd.size(), hvd.rank()
+    if P & (P - 1):
+        pytest.skip(f"the average over {P} ranks of what each chose is not exact in float64")
+    kw, spec, comp = COMPRESSED[name]
+    sim = ref.PeriodicSimulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec, comp=comp)
+
+    def residuals_match(s, state):
+        residuals = state["hvcomm"]["residuals_by_param"]
+        want = sim.snapshot().residuals[r]
+        found = [] if set(residuals) == set(want) else [f"residuals of {sorted(residuals)}, "
+                                                         f"the reference has {sorted(want)}"]
+        return found + [line for n, w in want.items() if n in residuals
+                        for line in mismatches(f"step {s}: residual {n}", residuals[n], w)]
+    assert_none_anywhere(against_reference(sim, lambda: build_quadratic(SHAPES, **kw), steps,
+                                           5, residuals_match))
 
 
 def test_the_fragments_split_as_documented():
