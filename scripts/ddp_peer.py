@@ -9,7 +9,12 @@ or loopback on one machine). Methods, each hvcomm's counterpart:
 - ``powersgd``: DDP's ``powerSGD_hook`` (error feedback, warm start, compressing from its second
   step, where DDP's default waits 1000 steps) on a single bucket: with several buckets the hook
   fails on gloo with a collective mismatch, or deadlocks, as soon as two buckets' hooks run at
-  once (torch 2.13, CPU), so it is measured as it works.
+  once (torch 2.13, CPU), so it is measured as it works;
+- ``post-local-sgd`` (:data:`POST_LOCAL_SGD`, the counterpart of hvcomm's ``LocalSGD``, not a
+  gradient method, so not in :data:`METHODS`): DDP's ``post_localSGD_hook`` (gradients
+  averaged for ``warmup_steps``, then none: one rank per host) with
+  ``PostLocalSGDOptimizer`` and ``PeriodicModelAverager`` (the models averaged at the first
+  step after the warm-up and every ``period`` steps from there).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import os
 import socket
 
 METHODS = ("dense", "fp16", "powersgd")
+POST_LOCAL_SGD = "post-local-sgd"
 ONE_BUCKET_MB = 1 << 20  # bucket_cap_mb no model reaches
 
 
@@ -41,13 +47,23 @@ def init_gloo(comm) -> None:
                             rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
-def wrap(model, method: str, rank: int = 4):
-    """``model`` in DistributedDataParallel, synchronising its gradients by ``method``."""
+def wrap(model, method: str, rank: int = 4, warmup_steps: int = 0):
+    """``model`` in DistributedDataParallel, synchronising its gradients by ``method``
+    (post-local SGD: for ``warmup_steps`` steps; wrap the optimizer too, :func:`local_sgd`)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
-    if method not in METHODS:
-        raise ValueError(f"unknown DDP method {method!r}; choose one of {METHODS}")
+    if method not in (*METHODS, POST_LOCAL_SGD):
+        raise ValueError(f"unknown DDP method {method!r}; choose one of "
+                         f"{(*METHODS, POST_LOCAL_SGD)}")
+    if method == POST_LOCAL_SGD:
+        ddp = DDP(model)
+        state = local.PostLocalSGDState(process_group=None, subgroup=None,
+                                        start_localSGD_iter=warmup_steps,
+                                        post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(state, local.post_localSGD_hook)
+        return ddp
     if method == "powersgd":
         ddp = DDP(model, bucket_cap_mb=ONE_BUCKET_MB)
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
@@ -59,6 +75,21 @@ def wrap(model, method: str, rank: int = 4):
     if method == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     return ddp
+
+
+def local_sgd(optimizer, period: int, warmup_steps: int):
+    """``optimizer`` as DDP's post-local SGD steps it: ``PostLocalSGDOptimizer`` with a
+    ``PeriodicModelAverager`` (``averager.step`` counts the steps)."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    return PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=period,
+                                                                   warmup_steps=warmup_steps))
+
+
+def local_sgd_communicated(step: int, period: int, warmup_steps: int) -> bool:
+    """Whether post-local SGD's step ``step`` (from 0) sends the model's bytes: the gradients
+    in the warm-up, the weights when the averager averages."""
+    return step < warmup_steps or (step - warmup_steps) % period == 0
 
 
 def payload_bytes(params, method: str, rank: int = 4) -> int:

@@ -1,5 +1,6 @@
 """The main job: train on the digits with every method, 4 ranks each, and compare them, with
-PyTorch DDP's dense, fp16 and PowerSGD (gloo, on the same hosts) beside hvcomm's.
+PyTorch DDP's dense, fp16, PowerSGD and post-local SGD (gloo, on the same hosts) beside
+hvcomm's.
 
 By default the ranks run on an emulated cluster, one host per rank joined by 1 Gbit/s links
 (the network hvcomm is for), where root and network namespaces allow; elsewhere, and with
@@ -119,13 +120,21 @@ def write_report(name, args, label, results) -> None:
              "Horovod's and DDP's are the ring model 2(P-1)/P*bytes of what their allreduces "
              "carry. ddp-*: PyTorch DDP on gloo over the same hosts, set up as "
              "scripts/ddp_peer.py says (fp16_compress_hook; powerSGD_hook at rank 4 on one "
-             "bucket, from step 2). Sparse methods use error feedback; "
+             "bucket, from step 2; post-local SGD: post_localSGD_hook with "
+             "PostLocalSGDOptimizer and PeriodicModelAverager). Sparse methods use error "
+             "feedback; "
              "'model' scope selects over the whole model, 'layerwise' per tensor. Final weights: "
              "the first 16 hex digits of the sha256 of the tested weights' bytes",
         delayed=f"od/ssd/cd-sgd: {args.delay_warmup} synchronous warm-up steps, local lr 0.2 "
                 "(4x), k=5 (ssd: local weights reset to the global ones every 5 steps, GLU 1.0; "
                 "cd: 2-bit threshold 0.5, every 5th step in full precision); test accuracy "
-                "of the global weights"),
+                "of the global weights",
+        periodic=f"local-sgd-N, diloco-N and ddp-post-local-sgd-N: the same "
+                 f"{args.delay_warmup} synchronous warm-up steps, then the models averaged "
+                 "every N local steps (diloco: an outer Nesterov step of lr 0.7 and momentum "
+                 "0.5, not the paper's 0.9, which compounds with the inner SGD's momentum 0.9, "
+                 "on the average difference); hvcomm's rows test the global weights, DDP's "
+                 "rank 0's model"),
         text + "\n\n## Test accuracy per epoch\n\n" + report.table(per_epoch)
         + f"\n\n![accuracy]({png.name})")
     print(f"written to {path.relative_to(report.ROOT)} and {png.relative_to(report.ROOT)}")
