@@ -1,6 +1,6 @@
 """Does overlap pay on this machine? S-SGD against OD-SGD on the digits job, with a timeline.
 
-Runs the main job's training (scripts/train_digits.py) for hvcomm-dense and od-sgd with
+Runs the main job's training (scripts/train.py) for hvcomm-dense and od-sgd with
 HVCOMM_TIMELINE set, then reads the per-rank timelines: how long each gradient allreduce
 took on the communication thread, and how long a whole step took (first launch to next first
 launch). If the allreduce runs longer beside the next step's computation (od-sgd) than alone
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import report
 
-SCRIPT = Path(__file__).resolve().parent / "train_digits.py"
+SCRIPT = Path(__file__).resolve().parent / "train.py"
 
 
 def summarise(paths):
@@ -70,7 +70,7 @@ def main() -> None:
     report.write(args.name, "Overlap of computation and communication: S-SGD vs OD-SGD",
                  report.setting(P=args.ranks, network=label, epochs=args.epochs,
                                 delay_warmup_steps=args.delay_warmup,
-                                job="digits MLP (scripts/train_digits.py), SGD lr 0.05 "
+                                job="digits MLP (scripts/train.py), SGD lr 0.05 "
                                 "momentum 0.9, od-sgd local lr 0.2",
                                 timing="medians over the second half of each run, all ranks; "
                                 "allreduce: the span of one gradient allreduce on hvcomm's "

@@ -22,7 +22,7 @@ from hvcomm.cluster import slurm_local
 import report
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ROOT / "scripts" / "train_digits.py"
+TRAIN = ROOT / "scripts" / "train.py"
 
 
 def sbatch(nodes: int, launcher: str, train_args, out_dir: Path) -> dict:
@@ -80,7 +80,7 @@ def main() -> None:
                 rows.append({"nodes": nodes, "P": r["ranks"], "launched by": how,
                              "throughput (samples/s)": round(r["throughput"]),
                              "vs plain mpirun": r["throughput"] / base,
-                             "final test acc": r["final_test_acc"],
+                             "final test acc": r["final_metric"],
                              "final weights (sha256)": r["final_weights_sha256"],
                              "job wall s": round(r["wall"], 1), "log": r["log"]})
             print(report.table(rows[-3:]), flush=True)
@@ -94,8 +94,8 @@ def main() -> None:
                                f"emulated node, {args.rate} per link (tc tbf), 1 rank per "
                                "node; every run with OMPI_MCA_mpi_yield_when_idle=1 (the nodes "
                                "share 2 cores)",
-                       run=f"scripts/train_digits.py {' '.join(train_args)}",
-                       timing="throughput over the training epochs, as train_digits.py reports "
+                       run=f"scripts/train.py {' '.join(train_args)}",
+                       timing="throughput over the training epochs, as train.py reports "
                               "it; job wall time includes queueing and start-up"),
         report.table(rows))
     print(f"written to {path.relative_to(report.ROOT)}")

@@ -29,7 +29,7 @@ cd "${SLURM_SUBMIT_DIR:-.}"
 #     a checkpoint was written with 2 s steps). Under mpirun they are not: Open MPI's daemons
 #     (started by srun) end on the SIGTERM and mpirun then ends the ranks at once. With 50 ms
 #     steps the ranks still checkpointed first; with 2 s steps they did not. Then the requeued
-#     run resumes from the newest checkpoint every rank has (train_digits.py
+#     run resumes from the newest checkpoint every rank has (train.py
 #     --checkpoint-every N), or from the start. This shell never requeues on SIGTERM: Slurm
 #     requeues a requeued or preempted job itself, and a cancelled job must stay cancelled.
 # Timing, measured: slurmctld checks time limits every 30 s. The --signal warning comes at the
@@ -180,11 +180,11 @@ fi
 # the environment must match the MPI this job launches with (exits 2 with the reason)
 "$PY" -m hvcomm.cluster.launch check $LAUNCH_CHECK || exit 2
 
-# the training script (default scripts/train_digits.py) and its arguments
+# the training script (default scripts/train.py) and its arguments
 if [ $# -gt 0 ] && [ "${1%.py}" != "$1" ]; then
   TRAIN=("$@")
 else
-  TRAIN=(scripts/train_digits.py "$@")
+  TRAIN=(scripts/train.py "$@")
 fi
 [ -f "${TRAIN[0]}" ] || { echo "hvcomm: no training script ${TRAIN[0]} in $PWD" >&2; exit 2; }
 method=""; prev=""

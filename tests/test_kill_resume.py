@@ -1,7 +1,7 @@
 """A rank killed with SIGKILL mid-training ends the whole job, non-zero, within 10 s and with no
 process left behind; resuming from the last checkpoint ends with exactly the weights of a run
 that was never interrupted (dense, gTop-k, OD-SGD, P3; on one node and on the emulated cluster;
-and scripts/train_digits.py from its periodic checkpoints).
+and scripts/train.py from its periodic checkpoints).
 """
 import os
 import re
@@ -153,12 +153,12 @@ def test_kill_then_resume_emulated_cluster(tmp_path):
         check_kill_and_resume("gtopk", OnEmulatedHosts(cluster), tmp_path)
 
 
-def test_train_digits_resumes_from_its_periodic_checkpoint(tmp_path):
+def test_train_resumes_from_its_periodic_checkpoint(tmp_path):
     """What a requeue under mpirun can leave behind: the ranks ended before they could
-    checkpoint on the SIGTERM (slurm/common.sh). scripts/train_digits.py --checkpoint-every 10,
+    checkpoint on the SIGTERM (slurm/common.sh). scripts/train.py --checkpoint-every 10,
     every process of the job SIGKILLed mid-training; started again, it resumes from the newest
     checkpoint every rank has and ends with the weights of a run never interrupted."""
-    train = [str(HERE.parent / "scripts" / "train_digits.py"), "--method", "gtopk-0.001",
+    train = [str(HERE.parent / "scripts" / "train.py"), "--method", "gtopk-0.001",
              "--epochs", "2"]
     env = {"HVCOMM_TEST_EXPECT_SIZE": "2", "HVCOMM_CHECKPOINT_DIR": ""}
     reference = launch.run(2, train, timeout=300, env=env)

@@ -54,7 +54,7 @@ def submit(env, *args, extra_env=None):
     return proc.returncode, proc.stdout + proc.stderr + text
 
 
-GTOPK = ["slurm/ethernet.sbatch", "scripts/train_digits.py", "--method", "gtopk-0.001",
+GTOPK = ["slurm/ethernet.sbatch", "scripts/train.py", "--method", "gtopk-0.001",
          "--epochs", "2"]
 
 
@@ -92,7 +92,7 @@ def test_infiniband_job_refuses_the_pypi_open_mpi(slurm):
 
 
 # -- time limits and requeue ----------------------------------------------------------------------
-TRAIN = ["scripts/train_digits.py", "--method", "gtopk-0.001", "--epochs", "2"]
+TRAIN = ["scripts/train.py", "--method", "gtopk-0.001", "--epochs", "2"]
 ENDED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "PREEMPTED"}  # PENDING, RUNNING, REQUEUED... go on
 

@@ -1,7 +1,8 @@
-"""Data-parallel training of an MLP on scikit-learn's handwritten digits, one method per run.
+"""Data-parallel training of one of the main job's workloads (scripts/workloads.py: the digits
+MLP, a 1-D CNN on MNIST-1D, a character transformer), one method per run.
 
 Run under MPI (scripts/main_job.py does this for every method):
-    mpirun -n 4 python -m mpi4py scripts/train_digits.py --method hvcomm-dense --out r.json
+    mpirun -n 4 python -m mpi4py scripts/train.py --workload cnn --method hvcomm-dense --out r.json
 
 With ``--checkpoint-dir DIR`` (the batch scripts of slurm/ pass HVCOMM_CHECKPOINT_DIR, which is
 its default) the run can be stopped and resumed exactly: on SIGUSR1 or SIGTERM to any rank,
@@ -24,15 +25,13 @@ from pathlib import Path
 from mpi4py import MPI  # noqa: F401 - before Horovod, which then shares its communicator
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
 
 import hvcomm.torch as hvc
 from hvcomm import durable
 from hvcomm.torch import checkpoint, preemption
 import ddp_peer
 import report
-
-HIDDEN = 512
+from workloads import WORKLOADS
 
 
 def horovod_module():
@@ -130,31 +129,17 @@ METHODS = {
 }
 
 
-def load_data(seed: int):
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_test = len(x) // 5
-    return (x[perm[n_test:]], y[perm[n_test:]]), (x[perm[:n_test]], y[perm[:n_test]])
-
-
-def make_model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(),
-                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-                               torch.nn.Linear(HIDDEN, 10))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
     ap.add_argument("--method", choices=sorted(METHODS), default="hvcomm-dense")
-    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--epochs", type=int, help="default: the workload's")
     ap.add_argument("--batch", type=int, default=8, help="per rank")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, help="default: the workload's")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--delay-warmup", type=int, default=100,
-                    help="synchronous steps before od/ssd/cd-sgd start delaying")
+    ap.add_argument("--delay-warmup", type=int,
+                    help="synchronous steps before the delayed and periodic methods start "
+                         "(default: the workload's)")
     ap.add_argument("--out", help="write the results of rank 0 as JSON here")
     ap.add_argument("--checkpoint-dir", default=os.environ.get("HVCOMM_CHECKPOINT_DIR") or None,
                     help="on SIGUSR1/SIGTERM checkpoint here and exit 0; resume from here "
@@ -167,6 +152,11 @@ def main() -> None:
                     help="sleep this long after every step (changes no value: to give a "
                          "signal time to arrive mid-training in tests)")
     args = ap.parse_args()
+    work = WORKLOADS[args.workload]
+    args.epochs = work.epochs if args.epochs is None else args.epochs
+    args.lr = work.lr if args.lr is None else args.lr
+    if args.delay_warmup is None:
+        args.delay_warmup = work.warmup_steps
     DELAY_WARMUP["steps"] = args.delay_warmup
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if args.checkpoint_every and ckpt_dir is None:
@@ -187,10 +177,12 @@ def main() -> None:
         # batch scripts forward SIGUSR1 only once this file is there
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / "listening").write_text(f"{size} ranks\n")
-    (xtr, ytr), (xte, yte) = load_data(args.seed)
-    model = make_model(args.seed)
+    (xtr, ytr), (xte, yte) = work.load(args.seed)
+    model = work.model(args.seed)
     build, bytes_of = METHODS[args.method]
-    model, opt = build(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model)
+    inner = (torch.optim.AdamW(model.parameters(), lr=args.lr) if work.adam else
+             torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+    model, opt = build(inner, model)
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     per_rank = len(xtr) // size
     steps = per_rank // args.batch
@@ -226,7 +218,7 @@ def main() -> None:
                 checkpoint.prune(ckpt_dir)
             idx = mine[s * args.batch:(s + 1) * args.batch]
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss = work.loss(model, xtr[idx], ytr[idx])
             loss.backward()
             opt.step()
             total_loss += loss.item()
@@ -240,31 +232,32 @@ def main() -> None:
             evaluated = copy.deepcopy(model)
             evaluated.load_state_dict(opt.global_weights(), strict=False)
         evaluated.eval()
-        with torch.no_grad():
-            acc = (evaluated(xte).argmax(1) == yte).float().mean().item()
+        metric = work.evaluate(evaluated, xte, yte)
         loss_avg = MPI.COMM_WORLD.allreduce(total_loss / steps) / size
-        history.append({"epoch": epoch + 1, "train_loss": loss_avg, "test_acc": acc,
+        history.append({"epoch": epoch + 1, "train_loss": loss_avg, "metric": metric,
                         "train_time_s": train_time})
         done, total_loss = (epoch + 1) * steps, 0.0
         if rank == 0:
             print(f"[{args.method}] epoch {epoch + 1:3d}/{args.epochs}  loss {loss_avg:.4f}  "
-                  f"test acc {acc:.4f}  ({train_time:.1f} s)", flush=True)
+                  f"{work.metric} {metric:.4f}  ({train_time:.1f} s)", flush=True)
     digests = MPI.COMM_WORLD.allgather(report.weights_digest(evaluated.named_parameters()))
     digest = digests[0] if len(set(digests)) == 1 else "ranks differ"
     if rank == 0:
-        print(f"[{args.method}] final test acc {history[-1]['test_acc']:.4f}, "
+        print(f"[{args.method}] final {work.metric} {history[-1]['metric']:.4f}, "
               f"throughput {samples / train_time:.0f} samples/s, train time {train_time:.1f} s",
               flush=True)
         print(f"[{args.method}] final weights sha256 {digest}", flush=True)
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"method": args.method, "ranks": size, "epochs": args.epochs,
+            json.dump({"workload": args.workload, "metric": work.metric,
+                       "higher_is_better": work.higher_is_better,
+                       "method": args.method, "ranks": size, "epochs": args.epochs,
                        "delay_warmup_steps": args.delay_warmup, "lr": args.lr,
                        "batch_per_rank": args.batch, "history": history,
                        "throughput": samples / train_time, "train_time_s": train_time,
                        "bytes_per_iter_per_rank": float(np.mean(sent)),
                        "params": sum(p.numel() for p in model.parameters()),
-                       "final_test_acc": history[-1]["test_acc"],
+                       "final_metric": history[-1]["metric"],
                        "final_weights_sha256": digest}, f)
 
 
@@ -272,8 +265,8 @@ def state(args, size: int, model, opt, progress: dict) -> dict:
     """This rank's checkpoint: what the run is (checked on resume), model, optimizer (with
     hvcomm's per-rank state), the RNG, and ``progress`` (steps done, the epoch's loss so far,
     the history and counters the results are made of)."""
-    return {"size": size, "method": args.method, "seed": args.seed, "batch": args.batch,
-            "model": model.state_dict(), "optimizer": opt.state_dict(),
+    return {"size": size, "workload": args.workload, "method": args.method, "seed": args.seed,
+            "batch": args.batch, "model": model.state_dict(), "optimizer": opt.state_dict(),
             "torch_rng": torch.get_rng_state(), **progress}
 
 
@@ -295,16 +288,19 @@ def stop(ckpt_dir: Path, args, size: int, model, opt, progress: dict) -> None:
 
 def resume(ckpt_dir: Path, args, size: int, model, opt):
     """COLLECTIVE: load the newest checkpoint every rank has in ``ckpt_dir``; None if there
-    is none. A checkpoint of another world size or run (method, seed, batch) is an error."""
+    is none. A checkpoint of another world size or run (workload, method, seed, batch) is an
+    error."""
     step = checkpoint.newest_common(ckpt_dir)
     if step is None:
         return None
     state = checkpoint.load(ckpt_dir, step)
-    theirs = {k: state[k] for k in ("size", "method", "seed", "batch")}
-    ours = {"size": size, "method": args.method, "seed": args.seed, "batch": args.batch}
+    theirs = {k: state.get(k, "digits" if k == "workload" else None)
+              for k in ("size", "workload", "method", "seed", "batch")}
+    ours = {"size": size, "workload": args.workload, "method": args.method, "seed": args.seed,
+            "batch": args.batch}
     if MPI.COMM_WORLD.allreduce(int(theirs != ours), op=MPI.MAX):
         if hvc.rank() == 0:
-            print(f"train_digits: {ckpt_dir} holds a checkpoint of step {step} of another run "
+            print(f"train: {ckpt_dir} holds a checkpoint of step {step} of another run "
                   f"({theirs}, this one is {ours}): not resuming from it; remove it or choose "
                   "another --checkpoint-dir", file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(2)
