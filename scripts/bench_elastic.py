@@ -7,7 +7,8 @@ results/elastic.md.
   of step 7, at P = 2, 3, 4 on shared memory, and on 2 emulated hosts x 2 ranks at 1 Gbit/s
   with both ranks of the second host killed at once; dense, gTop-k, OD-SGD and P3. Recovery
   = from the kill to the first step completed by the last survivor, from the job's own logs.
-- commit(): the main job's model (scripts/train.py, 64-512-512-10, 8 samples per rank),
+- commit(): the main job's digits model (scripts/workloads.py, 64-512-512-10, 8 samples per
+  rank),
   dense DistributedOptimizer, TorchState(model, optimizer, two counters); the median of
   ``commit()`` against the median training step, at 2 ranks.
 - Steady state: the same steps for a fixed count, with and without ``--with-ft ulfm``,

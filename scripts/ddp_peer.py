@@ -63,6 +63,7 @@ def wrap(model, method: str, rank: int = 4, warmup_steps: int = 0):
                                         start_localSGD_iter=warmup_steps,
                                         post_local_gradient_allreduce=False)
         ddp.register_comm_hook(state, local.post_localSGD_hook)
+        ddp.post_local_state = state  # its step count, for a resumed run (resume_local_sgd)
         return ddp
     if method == "powersgd":
         ddp = DDP(model, bucket_cap_mb=ONE_BUCKET_MB)
@@ -84,6 +85,13 @@ def local_sgd(optimizer, period: int, warmup_steps: int):
     from torch.distributed.optim import PostLocalSGDOptimizer
     return PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=period,
                                                                    warmup_steps=warmup_steps))
+
+
+def resume_local_sgd(ddp, optimizer) -> None:
+    """After ``optimizer.load_state_dict`` (which restores the averager's step): bring the
+    gradient hook's own count along, which DDP saves nowhere."""
+    state = ddp.post_local_state
+    state.iter = min(optimizer.averager.step, state.start_localSGD_iter)
 
 
 def local_sgd_communicated(step: int, period: int, warmup_steps: int) -> bool:

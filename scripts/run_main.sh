@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: set up (idempotent), then train on the digits with every method on 4 ranks.
+# The main job: set up (idempotent), then train the three workloads on 4 ranks, each method.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup_env.sh"

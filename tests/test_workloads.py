@@ -1,7 +1,9 @@
 """The main job's workloads (scripts/workloads.py): the data each one generates or reads, the
-held-out split of the transformer's text, and the metric's direction."""
+held-out split of the transformer's text, causality, and each metric against a direct
+computation."""
 import math
 import sys
+import sysconfig
 import zlib
 from pathlib import Path
 
@@ -13,43 +15,59 @@ import workloads  # noqa: E402
 
 
 def test_the_held_out_text_comes_from_other_files():
+    root = Path(sysconfig.get_paths()["stdlib"])
     train = workloads.stdlib_text(False, 1 << 16)
     test = workloads.stdlib_text(True, 1 << 16)
     assert len(train) == len(test) == 1 << 16
-    import sysconfig
-    root = Path(sysconfig.get_paths()["stdlib"])
-    held = [p for p in sorted(root.rglob("*.py"))
-            if zlib.crc32(str(p.relative_to(root)).encode()) % 10 == 0]
-    assert test.startswith(held[0].read_bytes()[:1000])
-    assert held[0].read_bytes()[:1000] not in train
+    files = [(p, zlib.crc32(str(p.relative_to(root)).encode()) % 10 == 0)
+             for p in sorted(root.rglob("*.py")) if "site-packages" not in str(p)]
+    first_held = next(p.read_bytes() for p, held in files if held and p.stat().st_size > 1000)
+    first_kept = next(p.read_bytes() for p, held in files if not held and p.stat().st_size > 0)
+    assert first_held[:1000] in test and first_held[:1000] not in train
+    assert train.startswith(first_kept[:1000])
 
 
-def test_the_transformer_predicts_the_next_byte():
-    (x, y), (xt, yt) = workloads.WORKLOADS["transformer"].load(0)
-    assert x.shape[1] == y.shape[1] == workloads.CONTEXT and x.dtype == torch.int64
-    assert torch.equal(x[0, 1:], y[0, :-1]) and x[1, 0] == y[0, -1]
-    assert len(x) == (workloads.TRAIN_BYTES - 1) // workloads.CONTEXT
-    model = workloads.WORKLOADS["transformer"].model(0)
-    out = model(x[:2])
-    assert out.shape == (2, workloads.CONTEXT, 256)
-    # causal: the first position's output does not depend on later inputs
-    changed = x[:1].clone()
-    changed[0, 1:] = (changed[0, 1:] + 1) % 256
-    assert torch.allclose(model(changed)[0, 0], out[0, 0], atol=1e-6)
-    assert not torch.allclose(model(changed)[0, -1], out[0, -1], atol=1e-6)
-
-
-def test_an_untrained_model_scores_about_chance():
+def test_the_transformer_predicts_the_next_byte_and_is_causal():
     w = workloads.WORKLOADS["transformer"]
-    (_, _), (xt, yt) = w.load(0)
-    bits = w.evaluate(w.model(0), xt[:16], yt[:16])
-    assert not w.higher_is_better and abs(bits - 8) < 2.5, bits  # 256 symbols: 8 bits
+    (x, y), _ = w.load(0)
+    text = workloads.stdlib_text(False, workloads.TRAIN_BYTES)
+    n = workloads.CONTEXT
+    assert x.shape[1] == y.shape[1] == n and x.dtype == torch.int64
+    for i in (0, 1, len(x) - 1):
+        assert bytes(x[i].tolist()) == text[i * n:(i + 1) * n]
+        assert bytes(y[i].tolist()) == text[i * n + 1:(i + 1) * n + 1]
+    model = w.model(0)
+    assert not list(model.buffers())  # DDP would broadcast a buffer before every forward
+    changed = x[:1].clone()
+    changed[0, 64:] = (changed[0, 64:] + 1) % 256
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        with torch.no_grad():
+            a, b = model(x[:1]), model(changed)
+        assert torch.allclose(a[0, :64], b[0, :64], atol=1e-5), mode  # the past alone
+        assert not torch.allclose(a[0, 64:], b[0, 64:], atol=1e-5), mode
 
 
-@pytest.mark.parametrize("name, classes, n_train", [("digits", 10, 1438), ("cnn", 10, 4000)])
-def test_the_classifiers_data_and_chance(name, classes, n_train):
+def test_bits_per_character_is_the_cross_entropy_in_bits():
+    w = workloads.WORKLOADS["transformer"]
+    _, (xt, yt) = w.load(0)
+    model = w.model(0).eval()
+    xt, yt = xt[:100], yt[:100]  # two chunks of the evaluation's 64 windows, unequal
+    with torch.no_grad():
+        logits = model(xt)
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), yt.reshape(-1))
+    assert not w.higher_is_better
+    assert w.evaluate(model, xt, yt) == pytest.approx(want.item() / math.log(2), rel=1e-5)
+
+
+@pytest.mark.parametrize("name, n_train, n_test", [("digits", 1438, 359), ("cnn", 4000, 1000)])
+def test_the_classifiers_data_and_accuracy(name, n_train, n_test):
     w = workloads.WORKLOADS[name]
     (x, y), (xt, yt) = w.load(0)
-    assert len(x) == n_train and set(y.tolist()) == set(range(classes))
-    acc = w.evaluate(w.model(0), xt, yt)
-    assert w.higher_is_better and 0 <= acc < 0.5 and not math.isnan(acc)
+    assert len(x) == len(y) == n_train and len(xt) == len(yt) == n_test
+    assert set(y.tolist()) == set(yt.tolist()) == set(range(10))
+    model = w.model(0).eval()
+    with torch.no_grad():
+        predicted = model(xt).argmax(1).tolist()
+    want = sum(p == t for p, t in zip(predicted, yt.tolist())) / n_test
+    assert w.higher_is_better and w.evaluate(model, xt, yt) == pytest.approx(want)
