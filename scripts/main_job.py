@@ -116,6 +116,8 @@ def section(name, workload, args, results) -> str:
         if target is not None:
             reached = time_to_target(r["history"], target, higher)
             row["time to target (s)"] = "not reached" if reached is None else f"{reached:.2f}"
+            final_ok = time_to_target(r["history"][-1:], target, higher) is not None
+            row["final within target"] = "yes" if final_ok else "NO"
         rows.append({**row, "final weights (sha256)": r["final_weights_sha256"][:16]})
     if target is None:
         to_target = f"not measured: {DENSE} was not among the methods run"

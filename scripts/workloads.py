@@ -166,7 +166,8 @@ def _transformer(seed: int) -> torch.nn.Module:
 
 WORKLOADS = {w.name: w for w in (
     Workload("digits", _digits, _mlp, "test acc", True, lr=0.05, epochs=30),
-    Workload("cnn", _mnist1d, _cnn, "test acc", True, lr=0.05, epochs=15),
+    # lr 0.02: at 0.05 the final accuracy swung by 2 points between equivalent runs
+    Workload("cnn", _mnist1d, _cnn, "test acc", True, lr=0.02, epochs=30),
     Workload("transformer", _stdlib, _transformer, "bits per char", False, lr=1e-3, epochs=4,
              warmup_steps=20, adam=True),
 )}
