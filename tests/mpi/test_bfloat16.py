@@ -1,11 +1,11 @@
 """bfloat16 through DistributedOptimizer: dense and Compression.fp16 gradients (bfloat16 stays
-bfloat16 on the wire), on a small tensor (Open MPI's path) and a large one (the ring), each in
-a bucket of its own, against a serial loop over the simulated ranks; and the compressors that
-cannot take it say which can.
+bfloat16 on the wire), float32 gradients through Compression.bf16, on a small tensor (Open
+MPI's path) and a large one (the ring), each in a bucket of its own, against a serial loop over
+the simulated ranks; and the compressors that cannot take it say which can.
 
-Each rank's gradient is its own input (loss = sum(w * x)): integers, times 2**20 for bfloat16
-parameters, so every sum is exact in bfloat16 whatever the order, and would overflow float16
-(a bfloat16 gradient cast to float16 fails the test). With op=Sum and SGD at lr=1 the weights
+Each rank's gradient is its own input (loss = sum(w * x)): integers, times 2**20 where the wire
+is bfloat16, so every sum is exact in bfloat16 whatever the order, and would overflow float16
+(a bfloat16 wire cast to float16 fails the test). With op=Sum and SGD at lr=1 the weights
 after a step are exactly w0 - sum over ranks of x."""
 import numpy as np
 import pytest
@@ -40,9 +40,10 @@ class Weights(torch.nn.Module):
     (torch.bfloat16, "none", torch.bfloat16),
     (torch.bfloat16, "fp16", torch.bfloat16),
     (torch.float32, "fp16", torch.float16),
+    (torch.float32, "bf16", torch.bfloat16),
 ])
 def test_one_step_equals_the_serial_loop(param_dtype, compression, wire):
-    scale = 2.0 ** 20 if param_dtype == torch.bfloat16 else 1.0
+    scale = 2.0 ** 20 if wire == torch.bfloat16 else 1.0
     model = Weights(param_dtype)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                    named_parameters=model.named_parameters(),
@@ -55,9 +56,10 @@ def test_one_step_equals_the_serial_loop(param_dtype, compression, wire):
     opt.step()
     for name, p in model.named_parameters():
         total = sum(rank_input(q, name, torch.float64, scale) for q in range(hvd.size()))
-        want = Weights(torch.float64).get_parameter(name).detach() - total
+        sent = total.to(wire).to(torch.float64)  # the sum as the wire carries it (exact here)
+        want = Weights(torch.float64).get_parameter(name).detach() - sent
         assert p.dtype == param_dtype
-        assert torch.equal(p.detach(), want.to(wire).to(param_dtype)), name
+        assert torch.equal(p.detach(), want.to(param_dtype)), name
 
 
 @pytest.mark.parametrize("compression", ["topk", "powersgd"])

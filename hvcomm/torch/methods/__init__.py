@@ -19,7 +19,8 @@ from collectives.errors import HvcommError
 from .base import Compressor, Method
 
 MODULES = (
-    "none", "fp16", "topk", "gtopk", "randomk", "twobit", "powersgd",  # what travels (compression=)
+    "none", "fp16", "bf16", "topk", "gtopk", "randomk", "twobit",  # what travels (compression=)
+    "powersgd",
     "mgwfbp", "merge_rule", "wfbp", "single", "threshold", "p3",  # which travel together, when
     "od_sgd", "ssd_sgd", "cd_sgd",                                # delayed synchronisation
     "local_sgd", "diloco",                                        # ... and periodic averaging

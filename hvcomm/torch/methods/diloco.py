@@ -4,7 +4,7 @@ step with Nesterov momentum on the averaged difference between the global weight
 rank's. ``fragments`` > 1 exchanges the model's fragments in turn (a lower peak bandwidth),
 ``overlap_steps`` lets each exchange run while that many inner steps compute, and ``mix``
 blends the arriving global fragment into the local one. The difference travels through
-``compression=`` (``Compression.fp16`` for 16 bits, or any compressor, with its error
+``compression=`` (``Compression.fp16`` or ``.bf16`` for 16 bits, or any compressor, with its error
 feedback). The rules are in :mod:`hvcomm.torch.methods.periodic`."""
 from __future__ import annotations
 

@@ -13,19 +13,30 @@ from .schedule import dense_schedule_s
 from .threshold import plan_threshold
 
 
-class FP16Compressor(Compressor):
-    """Sends floating-point tensors as 16 bits: float16, or bfloat16 as it is."""
+class SixteenBitCompressor(Compressor):
+    """Sends float32 and float64 tensors as ``wire`` (float16 or bfloat16), 16-bit ones as
+    they are; ``name``: its name in ``Compression``."""
+
+    def __init__(self, wire: torch.dtype, name: str):
+        self.wire, self.name = wire, name
 
     def encode(self, tensor, step=0, key="", shapes=(), names=()):
         if tensor.dtype in (torch.float32, torch.float64):
-            return Payload(tensor.to(torch.float16), tensor.numel(), tensor.dtype)
+            return Payload(tensor.to(self.wire), tensor.numel(), tensor.dtype)
         return Payload(tensor, tensor.numel(), tensor.dtype)
 
     def decode(self, result, payload):
         return result if result.dtype == payload.dtype else result.to(payload.dtype)
 
     def __repr__(self):
-        return "Compression.fp16"
+        return f"Compression.{self.name}"
+
+
+class FP16Compressor(SixteenBitCompressor):
+    """Horovod's ``Compression.fp16``: float16 on the wire, bfloat16 as it is."""
+
+    def __init__(self):
+        super().__init__(torch.float16, "fp16")
 
 
 class FP16(CompressionMethod):
