@@ -15,7 +15,7 @@ from collectives.errors import HvcommError
 
 from . import methods
 from .methods.base import Compressor, is_native, sends_as_is
-from .methods.buckets import ONE_BUCKET_BYTES, plan_groups
+from .methods.buckets import ONE_BUCKET_BYTES
 from .methods.delayed import as_delay
 from .methods.strategy import BaseStep, Strategy
 from .methods.sync import Setup
@@ -209,7 +209,7 @@ def make_strategy(o: Options, params, names, opt: torch.optim.Optimizer,
         return methods.get(o.schedule, "schedule").strategy(setup)
     if o.delay is not None:
         return o.delay.method.strategy(setup)
-    return setup.synchronous(plan_groups(params, o.groups, o.bucket_threshold_bytes()))
+    return setup.synchronous(setup.fusion_groups())
 
 
 def agree_on_parameters(comm: MPI.Comm, spec: Sequence[tuple]) -> None:

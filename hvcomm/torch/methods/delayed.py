@@ -30,7 +30,6 @@ from collectives.errors import HvcommError
 
 from .. import timeline
 from .base import Method
-from .buckets import plan_groups
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
 
@@ -302,10 +301,8 @@ class DelayMethod(Method):
     def strategy(self, setup) -> Delayed:
         """A Synchronous of the fusion buckets (or ``groups=``), dense at the warm-up and
         full-precision steps, inside the delayed machinery."""
-        o = setup.options
-        sync = setup.synchronous(plan_groups(setup.params, o.groups, o.bucket_threshold_bytes()),
-                                 dense_at=o.delay.sends_dense)
-        return Delayed(sync, o.delay, setup.optimizer)
+        sync = setup.synchronous(setup.fusion_groups(), dense_at=setup.options.delay.sends_dense)
+        return Delayed(sync, setup.options.delay, setup.optimizer)
 
     def predict(self, case):
         return delayed_s(case)

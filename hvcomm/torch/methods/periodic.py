@@ -128,9 +128,7 @@ class PeriodicAveraging(Strategy):
         self.size = setup.comm.Get_size()
         self.steps = 0
         self.comm_stats = CommStats()
-        self._warm = setup.synchronous(plan_groups(self.params, o.groups,
-                                                   o.bucket_threshold_bytes()),
-                                       dense_at=lambda step: True)
+        self._warm = setup.synchronous(setup.fusion_groups(), dense_at=lambda step: True)
         self.memory = ErrorFeedback()  # every fragment's residuals, by parameter name
         self._fragments = []
         for indices in fragments_of([p.numel() for p in self.params], settings.fragments):

@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .. import timeline
-from .buckets import Bucket, CommStats, flat_grad, make_buckets, set_grad, split
+from .buckets import Bucket, CommStats, flat_grad, make_buckets, plan_groups, set_grad, split
 from .base import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
@@ -155,6 +155,12 @@ class Setup:
     adasum: bool
     predivide: float
     scale: float
+
+    def fusion_groups(self) -> List[List[int]]:
+        """The buckets the options ask for: ``groups=``, else filled up to the fusion
+        threshold (a scope of "layer" or "model" overrides it)."""
+        o = self.options
+        return plan_groups(self.params, o.groups, o.bucket_threshold_bytes())
 
     def synchronous(self, groups: Sequence[Sequence[int]], **kw) -> Synchronous:
         """Bucketed averaging of ``groups`` with the options' compressor (``kw``: ``plans``,
