@@ -138,8 +138,10 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
     ap.add_argument("--method", choices=sorted(METHODS), default="hvcomm-dense")
     ap.add_argument("--epochs", type=int, help="default: the workload's")
-    ap.add_argument("--batch", type=int, default=8, help="per rank")
-    ap.add_argument("--lr", type=float, help="default: the workload's")
+    ap.add_argument("--batch", type=int, help="per rank (default: the workload's)")
+    ap.add_argument("--lr", type=float,
+                    help="default: the workload's (the CNN's annealed by a cosine over the "
+                         "epochs; the delayed methods' local lr stays 4x this)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--delay-warmup", type=int,
                     help="synchronous steps before the delayed and periodic methods start "
@@ -159,6 +161,7 @@ def main() -> None:
     work = WORKLOADS[args.workload]
     args.epochs = work.epochs if args.epochs is None else args.epochs
     args.lr = work.lr if args.lr is None else args.lr
+    args.batch = work.batch if args.batch is None else args.batch
     if args.delay_warmup is None:
         args.delay_warmup = work.warmup_steps
     DELAY_WARMUP["steps"] = args.delay_warmup
@@ -203,6 +206,8 @@ def main() -> None:
                       f"batch {done % steps}) of {ckpt_dir}", flush=True)
     start = done
     for epoch in range(done // steps, args.epochs):
+        for group in opt.param_groups:  # from the epoch alone: a resumed run sets the same
+            group["lr"] = work.lr_at(args.lr, epoch, args.epochs)
         order = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(1000 + epoch))
         mine = order[rank::size][:per_rank]
         model.train()
@@ -236,7 +241,9 @@ def main() -> None:
             evaluated = copy.deepcopy(model)
             evaluated.load_state_dict(opt.global_weights(), strict=False)
         evaluated.eval()
-        metric = work.evaluate(evaluated, xte, yte)
+        # rank 0's model (the others may differ: DDP's post-local SGD); one rank evaluating
+        # leaves the others' cores to it
+        metric = MPI.COMM_WORLD.bcast(work.evaluate(evaluated, xte, yte) if rank == 0 else None)
         loss_avg = MPI.COMM_WORLD.allreduce(total_loss / steps) / size
         history.append({"epoch": epoch + 1, "train_loss": loss_avg, "metric": metric,
                         "train_time_s": train_time})

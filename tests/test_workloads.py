@@ -1,6 +1,6 @@
 """The main job's workloads (scripts/workloads.py): the data each one generates or reads, the
-held-out split of the transformer's text, causality, and each metric against a direct
-computation."""
+held-out split of the transformer's text, causality, each metric against a direct
+computation, and the CNN's learning rate schedule."""
 import math
 import sys
 import sysconfig
@@ -71,3 +71,11 @@ def test_the_classifiers_data_and_accuracy(name, n_train, n_test):
         predicted = model(xt).argmax(1).tolist()
     want = sum(p == t for p, t in zip(predicted, yt.tolist())) / n_test
     assert w.higher_is_better and w.evaluate(model, xt, yt) == pytest.approx(want)
+
+
+def test_the_cnns_learning_rate_follows_a_cosine_and_the_others_stay_constant():
+    cnn, digits = workloads.WORKLOADS["cnn"], workloads.WORKLOADS["digits"]
+    # cos(0) = 1, cos(pi/2) = 0, cos(pi/3) = 1/2, cos(pi) = -1: lr, lr/2, 3lr/4, 0
+    assert [cnn.lr_at(0.2, e, 6) for e in (0, 3, 2)] == pytest.approx([0.2, 0.1, 0.15])
+    assert cnn.lr_at(0.2, 6, 6) == pytest.approx(0.0, abs=1e-12)
+    assert [digits.lr_at(0.2, e, 6) for e in range(6)] == [0.2] * 6
