@@ -184,7 +184,8 @@ def main() -> None:
         # batch scripts forward SIGUSR1 only once this file is there
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / "listening").write_text(f"{size} ranks\n")
-    (xtr, ytr), (xte, yte) = work.load(args.seed)
+    # one rank makes the data (the same on every rank), leaving the others' cores to it
+    (xtr, ytr), (xte, yte) = MPI.COMM_WORLD.bcast(work.load(args.seed) if rank == 0 else None)
     model = work.model(args.seed)
     build, bytes_of = METHODS[args.method]
     inner = (torch.optim.AdamW(model.parameters(), lr=args.lr) if work.adam else
