@@ -3,6 +3,7 @@ each method's measured iteration time beside hvcomm.sim.simulate's prediction.
 
     python scripts/replay.py --trace resnet50-v100 --sizes 2 4 8 --net 1gbit
     python scripts/replay.py --trace resnet20-v100 --sizes 2 --methods wfbp gtopk --steps 5
+    python scripts/replay.py --trace resnet50-v100 --sizes 4 --net 1gbit --dilate 10
 
 Driver (default), for each P and method: first P ranks each alone (one-rank communicators,
 started together on this machine's cores as the real run is), which measure the method's local
@@ -11,6 +12,13 @@ emulated host per rank with --net). Writes results/replay_<model>_<gpu>_<net>.md
 which scripts/scale_sim.py reads for the simulator's error). The prediction uses alpha and beta
 calibrated on the same communicator in the same run, and those local costs. Each measurement
 is the slowest rank's mean over consecutive steps (a multiple of CD-SGD's period of 5).
+With --dilate D the whole cluster runs D times slower: links at rate / D (and latency x D),
+every traced time x D. The network's share of a step stays what it was; the share of this
+machine's own CPU work (kernel TCP, reductions, copies, engine threads, which P emulated hosts
+share on 2 cores) falls about D-fold. The prediction is for the dilated cluster and is compared
+in its units; each row also gives both in undilated time (divided by D). Writes
+results/replay_<model>_<gpu>_<net>_dilated<D>.md; with several D (--dilate 1 4 10), one replay
+at each in turn and results/replay_<model>_<gpu>_<net>_dilation.md comparing them.
 Worker (--worker): runs under mpirun.
 """
 from __future__ import annotations
@@ -23,6 +31,7 @@ import time
 from pathlib import Path
 
 
+from hvcomm.cluster.netem import check_dilation
 from hvcomm.sim import simulate
 from hvcomm.torch import methods
 
@@ -40,6 +49,7 @@ PREDICTION = ("hvcomm.sim.simulate with alpha and beta measured in the same mpir
 TRIAL_STEPS = 2
 RACE_STEPS = 1 + 3 + 4 * (1 + TRIAL_STEPS)
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
+UNDILATED = ("undilated measured ms", "undilated predicted ms")  # with --dilate: both / D
 # the seed papers' claims, as (method, its baseline): MG-WFBP against WFBP, single-message and
 # threshold merging; P3 against WFBP; the delayed methods against S-SGD (WFBP)
 COMPARISONS = (("mgwfbp", "wfbp"), ("mgwfbp", "single"), ("mgwfbp", "threshold"),
@@ -92,7 +102,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     hvd.init(MPI.COMM_SELF if args.alone else comm)
-    trace = simulate.LayerTrace.named(args.trace)
+    trace = simulate.LayerTrace.named(args.trace).dilated(args.dilate[0])
     alpha_s, beta_s_per_byte = (0.0, 0.0) if args.alone else link_cost(comm, trace.params)
     rows = {}
     for method in args.methods:
@@ -131,22 +141,47 @@ def main() -> None:
                          f"{RACE_STEPS} more for its race)")
     ap.add_argument("--steps", type=int, default=10)
     report.add_net_option(ap)
+    ap.add_argument("--dilate", type=float, nargs="+", default=[1.0], metavar="D",
+                    help="run D times slower: links at rate / D, traced times x D (needs --net "
+                         "with a rate); several: a replay at each in turn, and "
+                         "results/<name>_dilation.md setting them side by side")
+    ap.add_argument("--name", help="results/<name>[_dilated<D>].md (default: "
+                                   "replay_<model>_<gpu>_<net>)")
     ap.add_argument("--out")
     ap.add_argument("--replot", metavar="JSON",
                     help="only redraw the plot of a recorded replay (results/replay_*.json)")
     args = ap.parse_args()
     if args.worker:
+        if len(args.dilate) != 1:
+            ap.error("--worker replays at one --dilate")
         return worker(args)
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
-        return plot(data["rows"], f"{data['trace']}, {data['network']}",
-                    Path(args.replot).with_suffix(".png"))
+        return plot(data["rows"], label(data), Path(args.replot).with_suffix(".png"))
+    factors = [check_dilation(d) for d in args.dilate]
+    net, network = report.resolve_net(args.net)
+    if net == "shm" and factors != [1]:
+        ap.error(f"--dilate needs an emulated network (--net with a rate); this run would use "
+                 f"{network}")
     trace = simulate.LayerTrace.named(args.trace)
-    net, label = report.resolve_net(args.net)
+    name = args.name or f"replay_{trace.model}_{Path(args.trace).stem.split('-', 1)[-1]}_{net}"
+    rows = {d: replay(args, d, net, network, name + (f"_dilated{d:g}" if d != 1 else ""))
+            for d in factors}
+    if len(factors) > 1:
+        path = write_dilation(name, network, args, rows)
+        print(f"written to {path.relative_to(report.ROOT)}")
+
+
+def replay(args, dilate: float, net: str, network: str, name: str) -> list:
+    """Every P and method at one dilation: their rows, also written to results/<name>.*."""
+    trace = simulate.LayerTrace.named(args.trace).dilated(dilate)
+    if dilate != 1:
+        network += (f"; time dilated {dilate:g}x: links shaped to {net} / {dilate:g}, every "
+                    f"traced time x {dilate:g}")
     tmp, rows, local_rows = Path(tempfile.mkdtemp(prefix="hvcomm-replay-")), [], []
     argv = [__file__, "--worker", "--trace", args.trace, "--density", str(args.density),
-            "--warmup", str(args.warmup), "--steps", str(args.steps), "--methods"]
-    name = f"replay_{trace.model}_{Path(args.trace).stem.split('-', 1)[-1]}_{net}"
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--dilate", str(dilate),
+            "--methods"]
     for p in args.sizes:
         for method in args.methods:  # one mpirun each: every method starts from a fresh process
             # P ranks alone first, together on this machine's cores: the method's cost beyond
@@ -158,7 +193,7 @@ def main() -> None:
             local_rows.append({"P": p, "method": method, "alone ms": round(alone * 1e3, 1),
                                "local ms (beyond the trace)": round(local * 1e3, 1)})
             res = report.run_worker(p, argv + [method], timeout=3600,
-                                   out=tmp / f"{p}-{method}.json", net=net)
+                                   out=tmp / f"{p}-{method}.json", net=net, dilate=dilate)
             fitted = simulate.Network("calibrated", res["alpha_s"], 8 / res["beta_s_per_byte"],
                                       "measured: the replay's own allreduces (calibrated)")
             measured = res["rows"][method]
@@ -170,10 +205,21 @@ def main() -> None:
                          "predicted / measured": round(pred / measured, 3),
                          "within 15%": abs(pred / measured - 1) <= 0.15,
                          "alpha us": round(res["alpha_s"] * 1e6, 1),
-                         "Gbit/s": round(fitted.bandwidth_bit_s / 1e9, 2)})
-            print(report.table(rows[-1:], HEADERS), flush=True)
-        path = write(name, net, label, args, trace, rows, local_rows)  # after each P: kept if later
-    print(f"written to {path.relative_to(report.ROOT)}")     # ones fail
+                         "Gbit/s": round(fitted.bandwidth_bit_s / 1e9, 3),
+                         **(dict(zip(UNDILATED, (round(measured * 1e3 / dilate, 1),
+                                                 round(pred * 1e3 / dilate, 1))))
+                            if dilate != 1 else {})})
+            print(f"dilated {dilate:g}x\n" + report.table(rows[-1:], HEADERS), flush=True)
+        # after each P: what was measured is kept if a later P fails
+        path = write(name, net, network, args, dilate, trace, rows, local_rows)
+    print(f"written to {path.relative_to(report.ROOT)}")
+    return rows
+
+
+def label(data: dict) -> str:
+    """A recorded replay (its JSON) in a few words: trace, network, dilation."""
+    dilated = f", dilated {data['dilate']:g}x" if data.get("dilate", 1) != 1 else ""
+    return f"{data['trace']}, {data['network']}{dilated}"
 
 
 def plot(rows, title: str, path: Path) -> None:
@@ -225,22 +271,22 @@ def comparisons(rows) -> list:
     return out
 
 
-def write(name, net, label, args, trace, rows, local_rows) -> Path:
+def write(name, net, network, args, dilate, trace, rows, local_rows) -> Path:
     """results/<name>.md (the tables), .png (the plot) and .json (the rows, for scale_sim)."""
-    (report.RESULTS / f"{name}.json").write_text(json.dumps(
-        {"trace": args.trace, "network": net, "rows": rows}, indent=1) + "\n")
-    plot(rows, f"{args.trace}, {net}", report.RESULTS / f"{name}.png")
+    data = {"trace": args.trace, "network": net, "dilate": dilate, "rows": rows}
+    (report.RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    plot(rows, label(data), report.RESULTS / f"{name}.png")
     within = sum(r["within 15%"] for r in rows)
     return report.write(
         name, f"Replay of {args.trace}: measured beside predicted",
-        report.setting(network=label, trace=f"{args.trace}: {trace.source}",
+        report.setting(network=network, trace=f"{args.trace}: {trace.source}",
                        steps=f"{args.warmup} untimed ({args.warmup + RACE_STEPS} for mgwfbp, "
                              f"whose race of plans takes {TRIAL_STEPS} timed steps each), then "
                              f"the slowest rank's mean over {args.steps} consecutive steps; one "
                              "mpirun per P and method",
                        density=str(args.density), prediction=PREDICTION),
         "Measured and predicted (alpha and bandwidth: the calibration of that mpirun):\n\n"
-        + report.table(rows, HEADERS + ("alpha us", "Gbit/s"))
+        + report.table(rows, HEADERS + ("alpha us", "Gbit/s") + UNDILATED * (dilate != 1))
         + f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows. Plot: "
         f"`results/{name}.png`.\n"
         + ("\nThe papers' comparisons, from the rows above (the baseline's time over the "
@@ -251,3 +297,28 @@ def write(name, net, label, args, trace, rows, local_rows) -> Path:
 
 if __name__ == "__main__":
     main()
+
+
+def write_dilation(name, network, args, rows_at) -> Path:
+    """results/<name>_dilation.md: each P and method's row at every dilation, side by side
+    (the measured step in undilated time, and the prediction's ratio to it)."""
+    rows = []
+    for p in args.sizes:
+        for method in args.methods:
+            row = {"P": p, "method": method}
+            for d, rows_d in rows_at.items():
+                r = next(r for r in rows_d if (r["P"], r["method"]) == (p, method))
+                row[f"D={d:g}: measured ms / D"] = round(r["measured ms"] / d, 1)
+                row[f"D={d:g}: predicted / measured"] = r["predicted / measured"]
+            rows.append(row)
+    within = {d: sum(r["within 15%"] for r in rows_d) for d, rows_d in rows_at.items()}
+    return report.write(
+        f"{name}_dilation", f"Replay of {args.trace} at several time dilations",
+        report.setting(network=network, dilations=", ".join(f"{d:g}" for d in rows_at),
+                       files=", ".join(f"results/{name}" + (f"_dilated{d:g}" if d != 1 else "")
+                                       + ".md" for d in rows_at),
+                       prediction=PREDICTION),
+        "Each row at every dilation D (links at the rate / D, every traced time x D; the "
+        "measured step divided by D is in undilated time):\n\n" + report.table(rows)
+        + "\n\nWithin 15%: " + ", ".join(f"D={d:g}: {n} of {len(rows_at[d])}"
+                                          for d, n in within.items()) + ".\n")

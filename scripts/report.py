@@ -97,19 +97,22 @@ def write(name: str, title: str, setting_: Dict[str, str], body: str) -> Path:
 
 
 def run_worker(n: int, argv: Sequence[str], timeout: float, out: Path, net: str = "shm",
-               tcp_mca: Optional[Dict[str, str]] = None, **kw) -> Any:
+               tcp_mca: Optional[Dict[str, str]] = None, dilate: float = 1, **kw) -> Any:
     """Run ``argv --out OUT`` on n ranks and return the JSON that rank 0 wrote to OUT.
 
     ``net`` is "shm" (one node, shared memory) or a link rate such as "1gbit": then every
     rank runs on its own emulated host, with Open MPI's TCP settings ``tcp_mca`` (default
-    hvcomm.cluster.netem.TCP_MCA). Raises RuntimeError with the tail
-    of the output if the job fails.
+    hvcomm.cluster.netem.TCP_MCA), its links slowed ``dilate`` times. Raises RuntimeError
+    with the tail of the output if the job fails.
     """
     argv = [*argv, "--out", str(out)]
+    if net == "shm" and dilate != 1:
+        raise ValueError("dilation slows emulated links; shared memory cannot be dilated: give "
+                         "a link rate (--net 1gbit) or dilate 1")
     if net == "shm":
         proc = launch.run(n, argv, timeout=timeout, **kw)
     else:
-        with EmulatedCluster(hosts=n, rate=net, tcp_mca=tcp_mca) as cluster:
+        with EmulatedCluster(hosts=n, rate=net, tcp_mca=tcp_mca, dilate=dilate) as cluster:
             proc = cluster.mpirun(argv, timeout=timeout, **kw)
     if proc.returncode != 0 or not out.exists():
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-4000:]

@@ -18,6 +18,7 @@ from typing import Dict
 
 from hvcomm.sim import simulate
 
+import replay
 import report
 
 METHODS = ("wfbp", "fp16", "topk", "gtopk", "mgwfbp", "powersgd", "od-sgd")
@@ -76,7 +77,7 @@ def replay_error() -> str:
         data = json.loads(path.read_text())
         for method in dict.fromkeys(r["method"] for r in data["rows"]):
             mine = [r for r in data["rows"] if r["method"] == method]
-            rows.append({"replay": f"{data['trace']}, {data['network']}", "method": method,
+            rows.append({"replay": replay.label(data), "method": method,
                          **{f"P={r['P']}": r["predicted / measured"] for r in mine},
                          "within 15%": f"{sum(r['within 15%'] for r in mine)} of {len(mine)}"})
     if not rows:

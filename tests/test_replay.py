@@ -32,17 +32,42 @@ def test_replay_model_has_the_traced_shapes_and_takes_at_least_their_time():
     assert not torch.equal(next(model.parameters()).grad, next(other.parameters()).grad)
 
 
-@pytest.mark.parametrize("alone", [False, True])
-def test_replay_at_two_ranks(alone):
+def test_a_dilated_trace_takes_every_time_longer_and_keeps_its_shapes():
+    slow = TRACE.dilated(3)
+    for layer, dilated in zip(TRACE.layers, slow.layers, strict=True):
+        assert (dilated.name, dilated.params, dilated.shapes) == (layer.name, layer.params,
+                                                                  layer.shapes)
+        assert (dilated.forward_s, dilated.backward_s) == pytest.approx(
+            (3 * layer.forward_s, 3 * layer.backward_s), rel=1e-12)
+    assert slow.update_s == pytest.approx(3 * TRACE.update_s, rel=1e-12)
+    assert TRACE.dilated(1) == TRACE
+    for bad in (0, 0.9, float("nan"), float("inf")):
+        with pytest.raises(simulate.HvcommError, match="dilate must be"):
+            TRACE.dilated(bad)
+
+
+def test_a_dilated_replay_sleeps_dilate_times_as_long():
+    factor = 5
+    model = ReplayModel(TRACE.dilated(factor))
+    model().backward()  # warm-up
+    t0 = time.perf_counter()
+    model().backward()
+    elapsed = time.perf_counter() - t0
+    # the undilated waits are TRACE.compute_s - update_s (the first test): five times that
+    assert elapsed >= 0.99 * factor * (TRACE.compute_s - TRACE.update_s)
+
+
+@pytest.mark.parametrize("alone, dilate", [(False, 1), (True, 1), (False, 3)])
+def test_replay_at_two_ranks(alone, dilate):
     out = Path(tempfile.mkdtemp(prefix="hvcomm-replay-test-")) / "replay.json"
     methods = ["wfbp", "p3", "gtopk", "od-sgd", "cd-sgd"]
     res = report.run_worker(2, [str(ROOT / "scripts" / "replay.py"), "--worker", "--trace",
                                "resnet20-v100", "--methods", *methods, "--warmup", "3",
-                               "--steps", "5"] + (["--alone"] if alone else []),
-                           timeout=300, out=out)
+                               "--steps", "5", "--dilate", str(dilate)]
+                           + (["--alone"] if alone else []), timeout=300, out=out)
     assert res["ranks"] == 2
     assert set(res["rows"]) == set(methods)
-    floor = TRACE.compute_s - TRACE.update_s   # the waits alone
+    floor = dilate * (TRACE.compute_s - TRACE.update_s)   # the waits alone
     assert all(t >= 0.99 * floor for t in res["rows"].values()), res
     # two ranks alone calibrate nothing (one-rank communicators); together they do
     assert (res["alpha_s"] > 0 and res["beta_s_per_byte"] > 0) != alone

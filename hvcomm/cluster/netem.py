@@ -60,6 +60,13 @@ exec ip netns exec "{prefix}$host" unshare --uts sh -c "hostname $host && $*"
 """
 
 
+def check_dilation(factor: float) -> float:
+    """A time dilation factor: a finite number >= 1 (1: none)."""
+    if not isinstance(factor, (int, float)) or not 1 <= factor < float("inf"):
+        raise HvcommError(f"dilate must be a finite number >= 1 (1: no dilation), got {factor!r}")
+    return float(factor)
+
+
 class NetemUnavailable(HvcommError):
     """This machine cannot emulate a network (no root, no ip/tc, no namespaces)."""
 
@@ -141,13 +148,17 @@ class EmulatedCluster:
 
     def __init__(self, hosts: int, rate: str = "1gbit", latency: str = "0us",
                  mpi_allreduce: str = "ring", *, tcp_mca: Optional[Dict[str, str]] = None,
-                 prefix: str = PREFIX, subnet: str = SUBNET):
+                 prefix: str = PREFIX, subnet: str = SUBNET, dilate: float = 1):
         """``mpi_allreduce``: "ring" makes Open MPI use its ring allreduce (bandwidth-optimal:
         the strongest dense baseline on slow links; at 4 hosts and 1 Gbit/s its default choice
         measured 1.6-1.9x the ring model with the shipped TCP settings, 1.09x with
         :data:`TCP_MCA`: results/netem_verify.md), "default" leaves Open MPI's own decision.
         ``tcp_mca``: Open MPI settings for its TCP transport, default :data:`TCP_MCA`; ``{}``
-        runs Open MPI's shipped ones.
+        runs Open MPI's shipped ones. ``dilate``: time dilation, to run a cluster ``dilate``
+        times slower than the one described: every link carries ``rate / dilate`` and its
+        added latency is ``latency * dilate`` (computation stretched by the same factor, as
+        :meth:`hvcomm.sim.simulate.LayerTrace.dilated` does, leaves the network's share of
+        a step unchanged and shrinks the share of the hosts' shared CPU).
         ``prefix`` names the namespaces and ``subnet`` (a /24 in 198.18.0.0/15, as
         "198.18.N") numbers the hosts: two clusters with different ones can coexist."""
         if not re.fullmatch(r"198\.1[89]\.\d{1,3}", subnet) or int(subnet.split(".")[2]) > 255:
@@ -165,6 +176,10 @@ class EmulatedCluster:
         self.rate_bit_s = parse_rate_bit_s(rate)
         self.latency = latency
         self.latency_s = parse_latency_s(latency)
+        self.dilate = check_dilation(dilate)
+        # what the links are shaped to
+        self.shaped_rate_bit_s = self.rate_bit_s / self.dilate
+        self.shaped_latency_s = self.latency_s * self.dilate
         self.addresses = [f"{subnet}.{i + 1}" for i in range(hosts)]
         self._agent_dir: Optional[Path] = None
 
@@ -182,6 +197,10 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         lat = f", +{self.latency} latency" if self.latency_s else ""
+        if self.dilate != 1:
+            lat += (f", time dilated {self.dilate:g}x (shaped to "
+                    f"{self.shaped_rate_bit_s / 1e6:g} Mbit/s"
+                    + (f", +{self.shaped_latency_s * 1e6:g} us" if self.latency_s else "") + ")")
         tcp = mca_text(self.tcp_mca) or "as shipped"
         return (f"{self.hosts} emulated hosts, {self.rate} per link{lat} (tbf, netns, "
                 f"{self.subnet}), Open MPI allreduce: {self.mpi_allreduce}, TCP: {tcp}")
@@ -236,12 +255,15 @@ class EmulatedCluster:
         agent.chmod(0o755)
 
     def _shape(self, ns: str, dev: str) -> None:
-        burst = max(int(self.rate_bit_s / 8 / 1000), 32 * 1024)  # about 1 ms at line rate
+        rate = self.shaped_rate_bit_s
+        burst = max(int(rate / 8 / 1000), 32 * 1024)  # about 1 ms at line rate
         cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
         if self.latency_s:
-            run_command(*cmd, "handle", "1:", "netem", "delay", self.latency)
+            run_command(*cmd, "handle", "1:", "netem", "delay",
+                        f"{self.shaped_latency_s * 1e6:.0f}us")
             cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:"]
-        run_command(*cmd, "tbf", "rate", self.rate, "burst", str(burst), "latency", "50ms")
+        run_command(*cmd, "tbf", "rate", f"{rate:.0f}bit", "burst", str(burst), "latency",
+                    f"{50 * self.dilate:.0f}ms")
 
     def stop(self) -> None:
         """Kill every process on the hosts and remove them (the switch too)."""

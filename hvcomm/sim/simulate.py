@@ -24,12 +24,13 @@ time at P, i.e. throughput(P) / (P * throughput(1)).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from collectives.cost import AlphaBeta, hierarchical_allreduce_s
 from collectives.errors import HvcommError
+from hvcomm.cluster.netem import check_dilation
 from hvcomm.torch import methods
 from hvcomm.torch.methods.base import Case
 
@@ -76,6 +77,20 @@ class LayerTrace:
     @property
     def params(self) -> int:
         return sum(layer.params for layer in self.layers)
+
+    def dilated(self, factor: float) -> "LayerTrace":
+        """This trace with every time (forward, backward, update) ``factor`` times longer: with
+        the links ``factor`` times slower (:class:`hvcomm.cluster.netem.EmulatedCluster`'s
+        ``dilate``) an iteration takes ``factor`` times as long, less the share of the
+        host's own CPU work, which does not stretch."""
+        check_dilation(factor)
+        if factor == 1:
+            return self
+        return replace(self, layers=tuple(replace(layer, forward_s=layer.forward_s * factor,
+                                                  backward_s=layer.backward_s * factor)
+                                          for layer in self.layers),
+                       update_s=self.update_s * factor,
+                       source=f"{self.source}; every time dilated {factor:g}x")
 
     def planner_trace(self) -> planner.Trace:
         """The planner's view: gradients in backward order (last layer first), each ready when
