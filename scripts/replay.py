@@ -150,11 +150,16 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--replot", metavar="JSON",
                     help="only redraw the plot of a recorded replay (results/replay_*.json)")
+    ap.add_argument("--combine", metavar="NAME",
+                    help="only write results/NAME_dilation.md from the recorded replays "
+                         "results/NAME.json and results/NAME_dilated<D>.json")
     args = ap.parse_args()
     if args.worker:
         if len(args.dilate) != 1:
             ap.error("--worker replays at one --dilate")
         return worker(args)
+    if args.combine:
+        return combine(args.combine)
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
         return plot(data["rows"], label(data), Path(args.replot).with_suffix(".png"))
@@ -168,8 +173,23 @@ def main() -> None:
     rows = {d: replay(args, d, net, network, name + (f"_dilated{d:g}" if d != 1 else ""))
             for d in factors}
     if len(factors) > 1:
-        path = write_dilation(name, network, args, rows)
+        path = write_dilation(name, args.trace, network, rows)
         print(f"written to {path.relative_to(report.ROOT)}")
+
+
+def combine(name: str) -> None:
+    """results/<name>_dilation.md from the replays recorded at several dilations."""
+    paths = [report.RESULTS / f"{name}.json", *report.RESULTS.glob(f"{name}_dilated*.json")]
+    recorded = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if len(recorded) < 2:
+        raise SystemExit(f"replay.py: --combine needs results/{name}.json or "
+                         f"results/{name}_dilated<D>.json at two dilations at least; found "
+                         f"{len(recorded)}")
+    recorded.sort(key=lambda data: data.get("dilate", 1))
+    first = recorded[0]
+    path = write_dilation(name, first["trace"], report.resolve_net(first["network"])[1],
+                          {data.get("dilate", 1): data["rows"] for data in recorded})
+    print(f"written to {path}")
 
 
 def replay(args, dilate: float, net: str, network: str, name: str) -> list:
@@ -295,30 +315,30 @@ def write(name, net, network, args, dilate, trace, rows, local_rows) -> Path:
         f"beyond the trace's {trace.compute_s * 1e3:.1f} ms\n\n" + report.table(local_rows) + "\n")
 
 
-if __name__ == "__main__":
-    main()
-
-
-def write_dilation(name, network, args, rows_at) -> Path:
-    """results/<name>_dilation.md: each P and method's row at every dilation, side by side
-    (the measured step in undilated time, and the prediction's ratio to it)."""
+def write_dilation(name: str, trace: str, network: str, rows_at: dict) -> Path:
+    """results/<name>_dilation.md: each P and method's row at every dilation (``rows_at``:
+    dilation -> that replay's rows), side by side: the measured step in undilated time (/ D)
+    and the prediction's ratio to it."""
     rows = []
-    for p in args.sizes:
-        for method in args.methods:
-            row = {"P": p, "method": method}
-            for d, rows_d in rows_at.items():
-                r = next(r for r in rows_d if (r["P"], r["method"]) == (p, method))
-                row[f"D={d:g}: measured ms / D"] = round(r["measured ms"] / d, 1)
-                row[f"D={d:g}: predicted / measured"] = r["predicted / measured"]
-            rows.append(row)
+    for first in next(iter(rows_at.values())):
+        row = {"P": first["P"], "method": first["method"]}
+        for d, rows_d in rows_at.items():
+            r = next(r for r in rows_d if (r["P"], r["method"]) == (first["P"], first["method"]))
+            row[f"D={d:g}: measured ms / D"] = round(r["measured ms"] / d, 1)
+            row[f"D={d:g}: predicted / measured"] = r["predicted / measured"]
+        rows.append(row)
     within = {d: sum(r["within 15%"] for r in rows_d) for d, rows_d in rows_at.items()}
+    files = ", ".join(f"results/{name}" + (f"_dilated{d:g}" if d != 1 else "") + ".md"
+                      for d in rows_at)
     return report.write(
-        f"{name}_dilation", f"Replay of {args.trace} at several time dilations",
+        f"{name}_dilation", f"Replay of {trace} at several time dilations",
         report.setting(network=network, dilations=", ".join(f"{d:g}" for d in rows_at),
-                       files=", ".join(f"results/{name}" + (f"_dilated{d:g}" if d != 1 else "")
-                                       + ".md" for d in rows_at),
-                       prediction=PREDICTION),
+                       files=files, prediction=PREDICTION),
         "Each row at every dilation D (links at the rate / D, every traced time x D; the "
         "measured step divided by D is in undilated time):\n\n" + report.table(rows)
         + "\n\nWithin 15%: " + ", ".join(f"D={d:g}: {n} of {len(rows_at[d])}"
                                           for d, n in within.items()) + ".\n")
+
+
+if __name__ == "__main__":
+    main()

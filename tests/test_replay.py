@@ -85,3 +85,28 @@ def test_measured_profile_has_the_models_layers_and_times():
     trace = simulate.LayerTrace.from_dict({"model": "resnet20", "batch": 4, **measured})
     assert [tuple(p.shape) for p in ReplayModel(trace).parameters()] == \
         [tuple(s) for layer in expected for s in layer["shapes"]]
+
+
+def test_replays_at_several_dilations_are_set_side_by_side(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    import replay
+
+    def recorded(dilate, rows):
+        return {"trace": "resnet20-v100", "network": "1gbit", "dilate": dilate, "rows": [
+            {"P": p, "method": m, "measured ms": measured, "predicted / measured": ratio,
+             "within 15%": abs(ratio - 1) <= 0.15} for p, m, measured, ratio in rows]}
+
+    (tmp_path / "r.json").write_text(json.dumps(recorded(1, [(2, "wfbp", 100.0, 0.6)])))
+    (tmp_path / "r_dilated10.json").write_text(json.dumps(recorded(10, [(2, "wfbp", 800.0,
+                                                                         0.95)])))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["replay.py", "--combine", "r"])
+    replay.main()
+    text = (tmp_path / "r_dilation.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("|   2 |")]
+    # P, method, then per dilation: measured / D and the ratio
+    assert [cell.strip() for cell in table[0].strip("|").split("|")] == \
+        ["2", "wfbp", "100", "0.6", "80", "0.95"]
+    assert "Within 15%: D=1: 0 of 1, D=10: 1 of 1." in text
