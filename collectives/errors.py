@@ -1,4 +1,5 @@
-"""One error family for hvcomm, and the collective check that makes every rank raise together."""
+"""One error family for the collectives and hvcomm, and the collective check that makes every
+rank raise together. (Horovod's name for it, ``HorovodInternalError``, lives in hvcomm.torch.)"""
 from __future__ import annotations
 
 from typing import Any, Hashable, Optional, Sequence
@@ -6,9 +7,8 @@ from typing import Any, Hashable, Optional, Sequence
 
 class HvcommError(RuntimeError, ValueError):
     """Bad input or a disagreement between ranks; the message says what to do. A
-    RuntimeError, as Horovod's HorovodInternalError is (scripts catch that), and a
-    ValueError, as Horovod raises for bad arguments. ``everywhere``: every rank raises it
-    together (the ranks stay in step)."""
+    RuntimeError, as a failed collective is, and a ValueError, as bad arguments are.
+    ``everywhere``: every rank raises it together (the ranks stay in step)."""
 
     def __init__(self, *args, everywhere: bool = False):
         super().__init__(*args)
@@ -18,9 +18,6 @@ class HvcommError(RuntimeError, ValueError):
 class ProcessFailure(HvcommError):
     """A process of the job failed: the collective in flight cannot finish. Raised on every
     surviving rank; :func:`hvcomm.torch.elastic.run` recovers from it."""
-
-
-HorovodInternalError = HvcommError  # Horovod's name for the error its collectives raise
 
 
 def raise_together(comm, local_error: Optional[str], what: str) -> None:

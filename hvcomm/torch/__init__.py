@@ -35,6 +35,6 @@ _EXPORTS = {
 }
 __all__ = lazy_names(__name__, globals(), _EXPORTS, {
     "HvcommError": ("collectives.errors", "HvcommError"),
-    "HorovodInternalError": ("collectives.errors", "HvcommError"),  # Horovod's name
+    "HorovodInternalError": (".elastic", "HorovodInternalError"),  # Horovod's name
     "ProcessFailure": ("collectives.errors", "ProcessFailure"),
     "HostsUpdatedInterrupt": (".elastic", "HostsUpdatedInterrupt")})

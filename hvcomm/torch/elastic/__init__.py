@@ -51,7 +51,7 @@ import time
 import warnings
 from typing import Any, Callable, Optional, Tuple
 
-from collectives.errors import HorovodInternalError, HvcommError, ProcessFailure
+from collectives.errors import HvcommError, ProcessFailure
 
 from .. import ending, fault
 from .. import runtime as _runtime
@@ -61,6 +61,8 @@ from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
 from .state import (KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, TorchState,
                     saved_on_disk)
+
+HorovodInternalError = HvcommError  # Horovod's name, as its elastic scripts catch it
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",
            "State", "TorchState", "run", "recoveries"]
