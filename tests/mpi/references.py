@@ -1,7 +1,7 @@
 """Serial references for the delayed methods (OD-SGD, SSD-SGD with GLU, CD-SGD, DC-ASGD's local
 step), the periodic ones (local SGD, DiLoCo and its streaming form) and the compressors
 (top-k, gTop-k, random-k, 2-bit, each with its error feedback), written from ALGORITHMS.md
-and the README, not from hvcomm's code: nothing of hvcomm is imported. All P ranks are
+and docs/, not from hvcomm's code: nothing of hvcomm is imported. All P ranks are
 simulated in one process by plain loops, in exact rational arithmetic (fractions.Fraction),
 so a test compares hvcomm's float64 results with ``==``; ``exact_float`` says where a
 reference value would not be representable in float64 (then the data, not hvcomm, is at
@@ -211,7 +211,8 @@ def buckets(comp, names: Sequence[str]) -> List[List[str]]:
 # -- delayed synchronisation -------------------------------------------------------------------
 @dataclass(frozen=True)
 class DelaySpec:
-    """README's table: ``mode`` od-sgd, ssd-sgd or cd-sgd; ``local_lr`` None: the group's."""
+    """docs/methods/delayed.md's table: ``mode`` od-sgd, ssd-sgd or cd-sgd; ``local_lr``
+    None: the group's."""
     mode: str
     warmup_steps: int
     k: int = 5
@@ -238,7 +239,7 @@ class Snapshot:
 
 class Simulation:
     """P ranks training the quadratic loss with ``sgd`` (the wrapped optimizer), compressed
-    by ``comp`` (None: dense) and, with ``delay``, delayed as the README's table says;
+    by ``comp`` (None: dense) and, with ``delay``, delayed as docs/methods/delayed.md's table says;
     ``curved`` and ``spread``: the data (h in {0, 1} or 0; c in [-spread, spread])."""
 
     def __init__(self, size: int, shapes: Shapes, sgd: SGD, comp=None,
