@@ -177,6 +177,6 @@ WORKLOADS = {w.name: w for w in (
     # accuracy swung by 1-2 points from one epoch to the next, as much as the methods differ
     Workload("cnn", _mnist1d, _cnn, "test acc", True, lr=0.1, epochs=30, batch=32,
              cosine=True),
-    Workload("transformer", _stdlib, _transformer, "bits per char", False, lr=1e-3, epochs=3,
+    Workload("transformer", _stdlib, _transformer, "bits per char", False, lr=1e-3, epochs=4,
              warmup_steps=20, adam=True),
 )}
