@@ -49,7 +49,8 @@ PREDICTION = ("hvcomm.sim.simulate with alpha and beta measured in the same mpir
 TRIAL_STEPS = 2
 RACE_STEPS = 1 + 3 + 4 * (1 + TRIAL_STEPS)
 HEADERS = ("P", "method", "measured ms", "predicted ms", "predicted / measured", "within 15%")
-UNDILATED = ("undilated measured ms", "undilated predicted ms")  # with --dilate: both / D
+# with --dilate D: both in undilated time (the prediction is still the dilated cluster's)
+UNDILATED = ("measured ms / D", "predicted ms / D")
 # the seed papers' claims, as (method, its baseline): MG-WFBP against WFBP, single-message and
 # threshold merging; P3 against WFBP; the delayed methods against S-SGD (WFBP)
 COMPARISONS = (("mgwfbp", "wfbp"), ("mgwfbp", "single"), ("mgwfbp", "threshold"),
@@ -170,11 +171,15 @@ def main() -> None:
                  f"{network}")
     trace = simulate.LayerTrace.named(args.trace)
     name = args.name or f"replay_{trace.model}_{Path(args.trace).stem.split('-', 1)[-1]}_{net}"
-    rows = {d: replay(args, d, net, network, name + (f"_dilated{d:g}" if d != 1 else ""))
-            for d in factors}
+    rows = {d: replay(args, d, net, network, dilated_name(name, d)) for d in factors}
     if len(factors) > 1:
         path = write_dilation(name, args.trace, network, rows)
         print(f"written to {path.relative_to(report.ROOT)}")
+
+
+def dilated_name(name: str, dilate: float) -> str:
+    """The file name (no suffix) of the replay ``name`` at time dilation ``dilate``."""
+    return name if dilate == 1 else f"{name}_dilated{dilate:g}"
 
 
 def combine(name: str) -> None:
@@ -187,7 +192,9 @@ def combine(name: str) -> None:
                          f"{len(recorded)}")
     recorded.sort(key=lambda data: data.get("dilate", 1))
     first = recorded[0]
-    path = write_dilation(name, first["trace"], report.resolve_net(first["network"])[1],
+    # the network as recorded (older files: only its rate, labelled as this machine would)
+    network = first.get("network_label") or report.resolve_net(first["network"])[1]
+    path = write_dilation(name, first["trace"], network,
                           {data.get("dilate", 1): data["rows"] for data in recorded})
     print(f"written to {path}")
 
@@ -293,7 +300,8 @@ def comparisons(rows) -> list:
 
 def write(name, net, network, args, dilate, trace, rows, local_rows) -> Path:
     """results/<name>.md (the tables), .png (the plot) and .json (the rows, for scale_sim)."""
-    data = {"trace": args.trace, "network": net, "dilate": dilate, "rows": rows}
+    data = {"trace": args.trace, "network": net, "network_label": network, "dilate": dilate,
+            "rows": rows}
     (report.RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     plot(rows, label(data), report.RESULTS / f"{name}.png")
     within = sum(r["within 15%"] for r in rows)
@@ -322,14 +330,14 @@ def write_dilation(name: str, trace: str, network: str, rows_at: dict) -> Path:
     rows = []
     for first in next(iter(rows_at.values())):
         row = {"P": first["P"], "method": first["method"]}
-        for d, rows_d in rows_at.items():
-            r = next(r for r in rows_d if (r["P"], r["method"]) == (first["P"], first["method"]))
-            row[f"D={d:g}: measured ms / D"] = round(r["measured ms"] / d, 1)
-            row[f"D={d:g}: predicted / measured"] = r["predicted / measured"]
+        for d, rows_d in rows_at.items():  # a replay cut short lacks the later rows: blank
+            r = next((r for r in rows_d if (r["P"], r["method"]) == (first["P"],
+                                                                    first["method"])), None)
+            row[f"D={d:g}: measured ms / D"] = "" if r is None else round(r["measured ms"] / d, 1)
+            row[f"D={d:g}: predicted / measured"] = "" if r is None else r["predicted / measured"]
         rows.append(row)
     within = {d: sum(r["within 15%"] for r in rows_d) for d, rows_d in rows_at.items()}
-    files = ", ".join(f"results/{name}" + (f"_dilated{d:g}" if d != 1 else "") + ".md"
-                      for d in rows_at)
+    files = ", ".join(f"results/{dilated_name(name, d)}.md" for d in rows_at)
     return report.write(
         f"{name}_dilation", f"Replay of {trace} at several time dilations",
         report.setting(network=network, dilations=", ".join(f"{d:g}" for d in rows_at),

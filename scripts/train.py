@@ -191,6 +191,10 @@ def main() -> None:
     inner = (torch.optim.AdamW(model.parameters(), lr=args.lr) if work.adam else
              torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
     model, opt = build(inner, model)
+    if work.cosine and getattr(getattr(opt, "delay", None), "local_lr", None) is not None:
+        ap.error(f"{args.method} steps locally at a fixed learning rate ({LOCAL_LR}x the job's), "
+                 f"which the {work.name} workload's cosine schedule would leave undecayed: run "
+                 "it on a workload with a constant learning rate (digits)")
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     per_rank = len(xtr) // size
     steps = per_rank // args.batch
@@ -243,8 +247,10 @@ def main() -> None:
             evaluated.load_state_dict(opt.global_weights(), strict=False)
         evaluated.eval()
         # rank 0's model (the others may differ: DDP's post-local SGD); one rank evaluating
-        # leaves the others' cores to it
-        metric = MPI.COMM_WORLD.bcast(work.evaluate(evaluated, xte, yte) if rank == 0 else None)
+        # leaves the others' cores to it; unwrapped, as DDP's forward is a collective
+        metric = MPI.COMM_WORLD.bcast(
+            work.evaluate(getattr(evaluated, "module", evaluated), xte, yte) if rank == 0
+            else None)
         loss_avg = MPI.COMM_WORLD.allreduce(total_loss / steps) / size
         history.append({"epoch": epoch + 1, "train_loss": loss_avg, "metric": metric,
                         "train_time_s": train_time})
@@ -273,13 +279,18 @@ def main() -> None:
                        "final_weights_sha256": digest}, f)
 
 
+def run_identity(args, size: int) -> dict:
+    """What a checkpoint must match to be resumed: the world size and the run's settings."""
+    return {"size": size, "workload": args.workload, "method": args.method, "seed": args.seed,
+            "batch": args.batch, "epochs": args.epochs, "lr": args.lr}
+
+
 def state(args, size: int, model, opt, progress: dict) -> dict:
     """This rank's checkpoint: what the run is (checked on resume), model, optimizer (with
     hvcomm's per-rank state), the RNG, and ``progress`` (steps done, the epoch's loss so far,
     the history and counters the results are made of)."""
-    return {"size": size, "workload": args.workload, "method": args.method, "seed": args.seed,
-            "batch": args.batch, "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "torch_rng": torch.get_rng_state(), **progress}
+    return {**run_identity(args, size), "model": model.state_dict(),
+            "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(), **progress}
 
 
 def stop(ckpt_dir: Path, args, size: int, model, opt, progress: dict) -> None:
@@ -300,16 +311,13 @@ def stop(ckpt_dir: Path, args, size: int, model, opt, progress: dict) -> None:
 
 def resume(ckpt_dir: Path, args, size: int, model, opt):
     """COLLECTIVE: load the newest checkpoint every rank has in ``ckpt_dir``; None if there
-    is none. A checkpoint of another world size or run (workload, method, seed, batch) is an
-    error."""
+    is none. A checkpoint of another world size or run (:func:`run_identity`) is an error."""
     step = checkpoint.newest_common(ckpt_dir)
     if step is None:
         return None
     state = checkpoint.load(ckpt_dir, step)
-    theirs = {k: state.get(k, "digits" if k == "workload" else None)
-              for k in ("size", "workload", "method", "seed", "batch")}
-    ours = {"size": size, "workload": args.workload, "method": args.method, "seed": args.seed,
-            "batch": args.batch}
+    ours = run_identity(args, size)
+    theirs = {k: state.get(k) for k in ours}
     if MPI.COMM_WORLD.allreduce(int(theirs != ours), op=MPI.MAX):
         if hvc.rank() == 0:
             print(f"train: {ckpt_dir} holds a checkpoint of step {step} of another run "

@@ -110,3 +110,22 @@ def test_replays_at_several_dilations_are_set_side_by_side(tmp_path, monkeypatch
     assert [cell.strip() for cell in table[0].strip("|").split("|")] == \
         ["2", "wfbp", "100", "0.6", "80", "0.95"]
     assert "Within 15%: D=1: 0 of 1, D=10: 1 of 1." in text
+
+
+def test_the_simulators_error_counts_dilated_replays_apart(tmp_path, monkeypatch):
+    import json
+
+    import scale_sim
+
+    def recorded(dilate, ratios):
+        return {"trace": "resnet20-v100", "network": "1gbit", "dilate": dilate, "rows": [
+            {"P": 2 ** (i + 1), "method": "wfbp", "predicted / measured": r,
+             "within 15%": abs(r - 1) <= 0.15} for i, r in enumerate(ratios)]}
+
+    (tmp_path / "replay_a.json").write_text(json.dumps(recorded(1, [0.9, 0.6])))
+    (tmp_path / "replay_a_dilated10.json").write_text(json.dumps(recorded(10, [1.0, 0.96])))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    text = scale_sim.replay_error()
+    assert ("undilated, 1 of 2 rows within 15%, median ratio 0.75, range 0.60-0.90; "
+            "time-dilated, 2 of 2 rows within 15%, median ratio 0.98, range 0.96-1.00.") in text
+    assert "resnet20-v100, 1gbit, dilated 10x" in text

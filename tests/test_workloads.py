@@ -79,3 +79,12 @@ def test_the_cnns_learning_rate_follows_a_cosine_and_the_others_stay_constant():
     assert [cnn.lr_at(0.2, e, 6) for e in (0, 3, 2)] == pytest.approx([0.2, 0.1, 0.15])
     assert cnn.lr_at(0.2, 6, 6) == pytest.approx(0.0, abs=1e-12)
     assert [digits.lr_at(0.2, e, 6) for e in range(6)] == [0.2] * 6
+
+
+def test_a_method_with_a_fixed_local_lr_is_refused_on_the_cosine_workload():
+    import subprocess
+    train = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+    proc = subprocess.run([sys.executable, str(train), "--workload", "cnn", "--method", "od-sgd",
+                           "--epochs", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cosine schedule would leave undecayed" in proc.stderr

@@ -256,7 +256,9 @@ class EmulatedCluster:
 
     def _shape(self, ns: str, dev: str) -> None:
         rate = self.shaped_rate_bit_s
-        burst = max(int(rate / 8 / 1000), 32 * 1024)  # about 1 ms at line rate
+        # about 1 ms at the undilated rate: the same bytes at every dilation, so that dilation
+        # changes no message's treatment, only the time
+        burst = max(int(self.rate_bit_s / 8 / 1000), 32 * 1024)
         cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
         if self.latency_s:
             run_command(*cmd, "handle", "1:", "netem", "delay",

@@ -35,6 +35,7 @@ _EXPORTS = {
 }
 __all__ = lazy_names(__name__, globals(), _EXPORTS, {
     "HvcommError": ("collectives.errors", "HvcommError"),
-    "HorovodInternalError": (".elastic", "HorovodInternalError"),  # Horovod's name
+    # Horovod's name for the error its collectives raise: hvcomm's is HvcommError
+    "HorovodInternalError": ("collectives.errors", "HvcommError"),
     "ProcessFailure": ("collectives.errors", "ProcessFailure"),
     "HostsUpdatedInterrupt": (".elastic", "HostsUpdatedInterrupt")})

@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from collectives.errors import HvcommError, ProcessFailure
 
-from .. import ending, fault
+from .. import HorovodInternalError, ending, fault
 from .. import runtime as _runtime
 from ..checkpoint import newest_in_all
 from ..gather_ops import allgather_object
@@ -61,8 +61,6 @@ from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
 from .state import (KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, TorchState,
                     saved_on_disk)
-
-HorovodInternalError = HvcommError  # Horovod's name, as its elastic scripts catch it
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",
            "State", "TorchState", "run", "recoveries"]
