@@ -6,8 +6,10 @@ hvcomm's.
 
 By default the ranks run on an emulated cluster, one host per rank joined by 1 Gbit/s links
 (the network hvcomm is for), where root and network namespaces allow; elsewhere, and with
-``--net shm``, on this machine's shared memory. It says which it used. Each method runs in
-its own mpirun (so one method's background threads cannot slow another's timing). Prints
+``--net shm``, on this machine's shared memory. It says which it used. Each framework's
+methods run in turn in one mpirun (scripts/train.py --methods: each from the same seed, its
+predecessor's communication finished and its model and optimizer freed; Horovod's never-ending
+background thread never shares a process with another framework's method). Prints
 per-epoch progress and each workload's table (with each method's time to reach dense's final
 metric less a margin, :data:`MARGIN`); writes results/main_job*.md (tables and the metric
 per epoch) and a plot of each workload's curves.
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from hvcomm.cluster.launch import PORTABLE_KERNELS, kernels_in_use
 import report
+import train
 
 SCRIPT = Path(__file__).resolve().parent / "train.py"
 
@@ -45,14 +48,11 @@ MARGIN = {"digits": 0.005, "cnn": 0.01, "transformer": 0.02}
 
 
 def methods_available(workload: str):
-    spec = importlib.util.spec_from_file_location("train", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    names = [m for m in mod.METHODS if not m.startswith(NOT_BY_DEFAULT)]
+    names = [m for m in train.METHODS if not m.startswith(NOT_BY_DEFAULT)]
     if workload != "digits":
         names = [m for m in names if m in COMPACT]
     if importlib.util.find_spec("horovod") is None:
-        names = [m for m in names if not m.startswith("horovod")]
+        names = [m for m in names if train.framework(m) != "horovod"]
     return names
 
 
@@ -74,17 +74,23 @@ def plot(results, path: Path, title: str, metric: str) -> None:
 
 
 def run_methods(args, workload, methods, net, label):
-    """Each method in its own mpirun; the JSON each one's rank 0 wrote."""
-    results, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-main-"))
+    """Each framework's methods (hvcomm's, DDP's, Horovod's) in turn in one mpirun; the result
+    of each method, in the order of ``methods``."""
+    tmp = Path(tempfile.mkdtemp(prefix="hvcomm-main-"))
     given = [f"--{option.replace('_', '-')}={value}" for option, value in
              (("epochs", args.epochs), ("batch", args.batch), ("delay_warmup", args.delay_warmup))
              if value is not None]
+    groups = {}
     for m in methods:
-        print(f"== {workload} {m}: {args.ranks} ranks, {label}", flush=True)
-        results.append(report.run_worker(args.ranks, [str(SCRIPT), "--workload", workload,
-                                                      "--method", m, *given], timeout=1800,
-                                         out=tmp / f"{m}.json", net=net, capture=False))
-    return results
+        groups.setdefault(train.framework(m), []).append(m)
+    results = {}
+    for name, group in groups.items():
+        print(f"== {workload} {', '.join(group)}: {args.ranks} ranks, {label}", flush=True)
+        for r in report.run_worker(args.ranks, [str(SCRIPT), "--workload", workload,
+                                                "--methods", *group, *given], timeout=3600,
+                                   out=tmp / f"{name}.json", net=net, capture=False):
+            results[r["method"]] = r
+    return [results[m] for m in methods]
 
 
 def target_of(workload: str, dense: dict):

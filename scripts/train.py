@@ -1,7 +1,9 @@
 """Data-parallel training of one of the main job's workloads (scripts/workloads.py: the digits
-MLP, a 1-D CNN on MNIST-1D, a character transformer), one method per run.
+MLP, a 1-D CNN on MNIST-1D, a character transformer) with one method, or with several of one
+framework in turn (``--methods``: each from the same seed, the one before finished and
+released first; scripts/main_job.py runs each framework's methods so).
 
-Run under MPI (scripts/main_job.py does this for every method):
+Run under MPI:
     mpirun -n 4 python -m mpi4py scripts/train.py --workload cnn --method hvcomm-dense --out r.json
 
 With ``--checkpoint-dir DIR`` (the batch scripts of slurm/ pass HVCOMM_CHECKPOINT_DIR, which is
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from mpi4py import MPI  # noqa: F401 - before Horovod, which then shares its communicator
 import numpy as np
@@ -62,6 +66,7 @@ def hvcomm_method(compression=None, delay=None):
         return model, hvc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                                compression=compression or hvc.Compression.none,
                                                delay=d)
+    build.fixed_local_lr = bool(delay) and delay[0] is hvc.Delay
     return build, lambda opt, model: opt.comm_stats.sent_bytes
 
 
@@ -69,6 +74,7 @@ def horovod_dense():
     def build(opt, model):
         return model, horovod_module().DistributedOptimizer(
             opt, named_parameters=model.named_parameters())
+    build.fixed_local_lr = False
     return build, lambda opt, model: dense_bytes(model)  # Horovod reports none: ring model
 
 
@@ -82,6 +88,7 @@ def ddp_method(method: str):
             return (ddp_peer.wrap(model, method, warmup_steps=warmup),
                     ddp_peer.local_sgd(opt, PERIOD, warmup))
         return ddp_peer.wrap(model, method), opt
+    build.fixed_local_lr = False
 
     def bytes_of(opt, model):
         if method == ddp_peer.POST_LOCAL_SGD and not ddp_peer.local_sgd_communicated(
@@ -95,7 +102,8 @@ def ddp_method(method: str):
 
 C = hvc.Compression
 # name -> (builder(optimizer, model) -> (model to train, optimizer to step), bytes sent per
-# step per rank)
+# step per rank); builder.fixed_local_lr: whether the method steps locally at LOCAL_LR times the
+# job's learning rate, whatever its schedule
 METHODS = {
     "hvcomm-dense": hvcomm_method(),
     "horovod-dense": horovod_dense(),
@@ -133,10 +141,21 @@ METHODS = {
 }
 
 
+def framework(method: str) -> str:
+    """Whose method it is: "ddp", "horovod" or "hvcomm" (several methods share a process only
+    within one framework: Horovod's background thread, for one, never stops)."""
+    return next((f for f in ("ddp", "horovod") if method.startswith(f + "-")), "hvcomm")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
-    ap.add_argument("--method", choices=sorted(METHODS), default="hvcomm-dense")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--method", choices=sorted(METHODS), default="hvcomm-dense")
+    which.add_argument("--methods", nargs="+", choices=sorted(METHODS), metavar="METHOD",
+                       help="train these in turn in this one process (all of one framework: "
+                            "hvcomm's, DDP's or Horovod's), each from the same seed; --out "
+                            "then holds a list, one result per method")
     ap.add_argument("--epochs", type=int, help="default: the workload's")
     ap.add_argument("--batch", type=int, help="per rank (default: the workload's)")
     ap.add_argument("--lr", type=float,
@@ -168,6 +187,18 @@ def main() -> None:
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if args.checkpoint_every and ckpt_dir is None:
         ap.error("--checkpoint-every needs --checkpoint-dir (or HVCOMM_CHECKPOINT_DIR)")
+    methods = args.methods or [args.method]
+    if args.methods and ckpt_dir is not None:
+        ap.error("--checkpoint-dir resumes one method's run: give --method, not --methods")
+    if len({framework(m) for m in methods}) > 1:
+        ap.error(f"--methods {' '.join(methods)} mixes frameworks "
+                 f"({', '.join(sorted({framework(m) for m in methods}))}): run each "
+                 "framework's methods in their own process")
+    fixed = [m for m in methods if METHODS[m][0].fixed_local_lr]
+    if work.cosine and fixed:
+        ap.error(f"{', '.join(fixed)} step(s) locally at a fixed learning rate ({LOCAL_LR}x the "
+                 f"job's), which the {work.name} workload's cosine schedule would leave "
+                 "undecayed: run them on a workload with a constant learning rate (digits)")
     if ckpt_dir is not None:
         # first thing: a signal before this ends the process (the batch scripts forward
         # SIGUSR1 only once rank 0 has written DIR/listening, below)
@@ -177,7 +208,7 @@ def main() -> None:
     rank, size = hvc.rank(), hvc.size()
     hosts = MPI.COMM_WORLD.gather(MPI.Get_processor_name())
     if rank == 0:
-        print(f"[{args.method}] world size {size} on {len(set(hosts))} hosts: "
+        print(f"[{', '.join(methods)}] world size {size} on {len(set(hosts))} hosts: "
               f"{', '.join(sorted(set(hosts)))}", flush=True)
     if ckpt_dir is not None and rank == 0:
         # every rank has installed its handlers (before the gather): a signal is safe now; the
@@ -185,16 +216,31 @@ def main() -> None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / "listening").write_text(f"{size} ranks\n")
     # one rank makes the data (the same on every rank), leaving the others' cores to it
-    (xtr, ytr), (xte, yte) = MPI.COMM_WORLD.bcast(work.load(args.seed) if rank == 0 else None)
+    data = MPI.COMM_WORLD.bcast(work.load(args.seed) if rank == 0 else None)
+    results = []
+    for method in methods:
+        run = copy.copy(args)
+        run.method = method
+        results.append(train(run, work, data, ckpt_dir))
+        if results[-1] is None:  # stopped by a signal, its checkpoint written
+            return
+        gc.collect()  # the method's model and optimizer (cycles through their hooks) freed now
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(results if args.methods else results[0], f)
+
+
+def train(args, work, data, ckpt_dir: Optional[Path]) -> Optional[dict]:
+    """Train ``args.method`` on ``data`` from the model of ``args.seed`` (resuming from
+    ``ckpt_dir`` if it holds a checkpoint); its results (rank 0's are the ones written), or
+    None if a signal stopped it after its checkpoint. Leaves no communication in flight."""
+    rank, size = hvc.rank(), hvc.size()
+    (xtr, ytr), (xte, yte) = data
     model = work.model(args.seed)
     build, bytes_of = METHODS[args.method]
     inner = (torch.optim.AdamW(model.parameters(), lr=args.lr) if work.adam else
              torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
     model, opt = build(inner, model)
-    if work.cosine and getattr(getattr(opt, "delay", None), "local_lr", None) is not None:
-        ap.error(f"{args.method} steps locally at a fixed learning rate ({LOCAL_LR}x the job's), "
-                 f"which the {work.name} workload's cosine schedule would leave undecayed: run "
-                 "it on a workload with a constant learning rate (digits)")
     hvc.broadcast_parameters(model.state_dict(), root_rank=0)
     per_rank = len(xtr) // size
     steps = per_rank // args.batch
@@ -227,7 +273,7 @@ def main() -> None:
                             MPI.COMM_WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)}
                 if stopping:
                     stop(ckpt_dir, args, size, model, opt, progress)
-                    return
+                    return None
                 checkpoint.save(ckpt_dir, g, state(args, size, model, opt, progress))
                 checkpoint.prune(ckpt_dir)
             idx = mine[s * args.batch:(s + 1) * args.batch]
@@ -265,18 +311,19 @@ def main() -> None:
               f"throughput {samples / train_time:.0f} samples/s, train time {train_time:.1f} s",
               flush=True)
         print(f"[{args.method}] final weights sha256 {digest}", flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump({"workload": args.workload, "metric": work.metric,
-                       "higher_is_better": work.higher_is_better,
-                       "method": args.method, "ranks": size, "epochs": args.epochs,
-                       "delay_warmup_steps": args.delay_warmup, "lr": args.lr,
-                       "batch_per_rank": args.batch, "history": history,
-                       "throughput": samples / train_time, "train_time_s": train_time,
-                       "bytes_per_iter_per_rank": float(np.mean(sent)),
-                       "params": sum(p.numel() for p in model.parameters()),
-                       "final_metric": history[-1]["metric"],
-                       "final_weights_sha256": digest}, f)
+    if hasattr(opt, "finish_pending"):  # hvcomm's: nothing left in flight for the next method
+        opt.finish_pending()
+    MPI.COMM_WORLD.barrier()
+    return {"workload": args.workload, "metric": work.metric,
+            "higher_is_better": work.higher_is_better,
+            "method": args.method, "ranks": size, "epochs": args.epochs,
+            "delay_warmup_steps": args.delay_warmup, "lr": args.lr,
+            "batch_per_rank": args.batch, "history": history,
+            "throughput": samples / train_time, "train_time_s": train_time,
+            "bytes_per_iter_per_rank": float(np.mean(sent)),
+            "params": sum(p.numel() for p in model.parameters()),
+            "final_metric": history[-1]["metric"],
+            "final_weights_sha256": digest}
 
 
 def run_identity(args, size: int) -> dict:

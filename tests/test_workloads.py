@@ -1,6 +1,7 @@
 """The main job's workloads (scripts/workloads.py): the data each one generates or reads, the
 held-out split of the transformer's text, causality, each metric against a direct
-computation, and the CNN's learning rate schedule."""
+computation, and the CNN's learning rate schedule; scripts/train.py's refusals, and its methods
+trained in turn in one process."""
 import math
 import sys
 import sysconfig
@@ -81,10 +82,44 @@ def test_the_cnns_learning_rate_follows_a_cosine_and_the_others_stay_constant():
     assert [digits.lr_at(0.2, e, 6) for e in range(6)] == [0.2] * 6
 
 
-def test_a_method_with_a_fixed_local_lr_is_refused_on_the_cosine_workload():
+TRAIN = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workload", "cnn", "--method", "od-sgd"], "cosine schedule would leave undecayed"),
+    (["--workload", "cnn", "--methods", "hvcomm-dense", "ssd-sgd"],
+     "ssd-sgd step(s) locally at a fixed learning rate"),
+    (["--methods", "hvcomm-dense", "ddp-dense"], "mixes frameworks (ddp, hvcomm)"),
+    (["--methods", "hvcomm-dense", "--checkpoint-dir", "ckpt"], "give --method, not --methods"),
+])
+def test_train_refuses_what_it_cannot_run_before_training(args, says):
     import subprocess
-    train = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
-    proc = subprocess.run([sys.executable, str(train), "--workload", "cnn", "--method", "od-sgd",
-                           "--epochs", "1"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(TRAIN), *args, "--epochs", "1"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "cosine schedule would leave undecayed" in proc.stderr
+    assert says in proc.stderr
+
+
+def test_methods_trained_in_turn_in_one_process_equal_each_trained_alone(tmp_path):
+    """train.py --methods: the second method's metric per epoch and final weights are those of
+    the same method run in a process of its own (the first leaves nothing behind)."""
+    import json
+    from hvcomm.cluster import launch
+    common = ["--epochs", "2", "--delay-warmup", "10"]
+    env = {"HVCOMM_TEST_EXPECT_SIZE": "2", "HVCOMM_CHECKPOINT_DIR": ""}
+    runs = {}
+    for name, which in (("together", ["--methods", "gtopk-0.001", "diloco-8"]),
+                        ("alone", ["--method", "diloco-8"])):
+        out = tmp_path / f"{name}.json"
+        proc = launch.run(2, [str(TRAIN), *which, *common, "--out", str(out)], timeout=300,
+                          env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads(out.read_text())
+    first, second = runs["together"]
+    alone = runs["alone"]
+    assert [r["method"] for r in (first, second, alone)] == ["gtopk-0.001", "diloco-8",
+                                                              "diloco-8"]
+    assert second["ranks"] == alone["ranks"] == 2
+    assert ([h["metric"] for h in second["history"]] == [h["metric"] for h in alone["history"]])
+    assert second["final_weights_sha256"] == alone["final_weights_sha256"]
+    assert first["final_weights_sha256"] != second["final_weights_sha256"]
