@@ -52,7 +52,9 @@ __all__ = lazy_names(__name__, globals(), {
     ".errors": ("HvcommError", "ProcessFailure", "check_agree", "raise_together"),
     ".handle": ("Pending",),
     ".merged": ("BucketPlan", "imerged_allreduce", "merged_allreduce"),
+    ".plans": ("index_dtype",),
     ".ring": ("allreduce_sum", "iallreduce_sum", "iring_allreduce", "ring_allreduce"),
-    ".sparse": ("SparseResult", "gtopk_allreduce", "igtopk_allreduce", "index_dtype",
-                "itopk_allgather", "merge_select", "select_topk", "topk_allgather"),
+    ".sparse": ("SparseResult", "gtopk_allreduce", "igtopk_allreduce", "itopk_allgather",
+                "topk_allgather"),
+    ".topk": ("merge_select", "select_topk"),
 })

@@ -1,7 +1,7 @@
 """The collectives' pure helpers, with no MPI import (the simulator, the planner and the
 compressors use them without an MPI library): which arrays travel together
 (:class:`BucketPlan`), the index dtype of a length-d vector, and the depth of the log2 P tree.
-:mod:`collectives.merged` and :mod:`collectives.sparse` re-export them."""
+:mod:`collectives.merged` re-exports :class:`BucketPlan`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

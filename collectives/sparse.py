@@ -1,22 +1,26 @@
-"""Sparse gradient collectives: gTopKAllReduce (log P tree) and the Top-k AllGather baseline."""
+"""Sparse gradient collectives: gTopKAllReduce (log P tree) and the Top-k AllGather baseline.
+
+The tree's merge step is :mod:`collectives.topk`'s; the input checks each message carries,
+:mod:`collectives.sparse_header`'s."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from . import kernels
-from .errors import HvcommError
 from .handle import Pending
-from .plans import ceil_log2, index_dtype  # noqa: F401 (re-exported: they were defined here)
+from .plans import ceil_log2
+from .sparse_header import (HEADER_LEN, M, N, STATUS, SparseInput, absorb, pair_dtypes, prepare,
+                            raise_if_problem)
+from .topk import merge_step
 from .workspace import Workspace, pooled
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 DEFAULT_TAG = 7301
 
 
@@ -40,211 +44,6 @@ class SparseResult:
     compute_s: float = 0.0
 
 
-def _largest(val: np.ndarray, k: int, ws: Optional[Workspace] = None) -> np.ndarray:
-    """Positions (ascending) of the k largest |val| (k < val.size); ties at the threshold
-    go to the lower position. Linear time: introselect for the threshold, then a mask
-    (vectorised, and faster than a compiled loop here) turned into positions. ``ws``
-    lends scratch buffers."""
-    n, ws = val.size, ws or Workspace()
-    mag = np.abs(val, out=ws.get("mag", n, val.dtype))
-    part = ws.get("part", n, val.dtype)
-    np.copyto(part, mag)
-    part.partition(n - k)  # in place: part[n - k] is the k-th largest
-    cut = part[n - k]
-    keep = np.greater(mag, cut, out=ws.get("keep", n, np.bool_))
-    short = k - np.count_nonzero(keep)
-    if short:
-        keep[np.flatnonzero(mag == cut)[:short]] = True
-    return np.flatnonzero(keep)
-
-
-def select_topk(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices (ascending) of the k largest |x|; ties go to the lower index."""
-    if not 0 < k <= x.size:
-        raise ValueError(f"k must be in [1, {x.size}], got {k}")
-    if k == x.size:
-        return np.arange(x.size, dtype=index_dtype(x.size))
-    return _largest(x, k).astype(index_dtype(x.size))
-
-
-def merge_select(idx_a: np.ndarray, val_a: np.ndarray, idx_b: np.ndarray, val_b: np.ndarray,
-                 k: int) -> Tuple[np.ndarray, np.ndarray]:
-    """One tree step: sum values at common indices, keep the k largest |sum|.
-
-    Each input is sorted by index with unique indices. Ties in |sum| go to the lower index,
-    so the result depends only on the inputs. Output is sorted by index. Linear time.
-    """
-    step = _merge_step(idx_a, val_a, idx_b, val_b, k)
-    return step.indices, step.values
-
-
-@dataclass
-class _Step:
-    """A tree step's result and what maps it back to its inputs: the origin (1 a, 2 b,
-    3 both) of every merged pair, the sizes of a and b, and ``keep``, the positions of the
-    merged pairs selected (None: all)."""
-    indices: np.ndarray
-    values: np.ndarray
-    origin: np.ndarray
-    sizes: Tuple[int, int]
-    keep: Optional[np.ndarray]
-
-    def inputs_reached(self, reached: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """Given which of this step's output pairs reached the result, which of input a's
-        and of input b's pairs did."""
-        if self.keep is None:
-            merged = reached
-        else:
-            merged = np.zeros(self.origin.size, bool)
-            merged[self.keep] = reached
-        out_a, out_b = np.empty(self.sizes[0] + 1, bool), np.empty(self.sizes[1] + 1, bool)
-        kernels.split_by_origin(self.origin, merged, out_a, out_b)
-        return out_a[:-1], out_b[:-1]
-
-
-def _merge_step(idx_a, val_a, idx_b, val_b, k, ws: Optional[Workspace] = None,
-                level: int = 0) -> _Step:
-    """Merge two runs, sum common indices and keep the k largest |sums|; the merged pairs
-    live in ``ws`` (per tree level), the k kept pairs in new arrays."""
-    ws = ws or Workspace()
-    if idx_a.dtype != idx_b.dtype:
-        idx_a, idx_b = idx_a.astype(np.int64), idx_b.astype(np.int64)
-    vdt = np.result_type(val_a, val_b)
-    n_in = idx_a.size + idx_b.size
-    idx, val = ws.get(("idx", level), n_in, idx_a.dtype), ws.get(("val", level), n_in, vdt)
-    origin = ws.get(("origin", level), n_in, np.uint8)
-    n = kernels.merge_sum(idx_a, val_a.astype(vdt, copy=False), idx_b,
-                          val_b.astype(vdt, copy=False), idx, val, origin)
-    idx, val, origin = idx[:n], val[:n], origin[:n]
-    sizes = (idx_a.size, idx_b.size)
-    if n <= k:
-        return _Step(idx.copy(), val.copy(), origin, sizes, None)
-    keep = _largest(val, k, ws)
-    return _Step(idx[keep], val[keep], origin, sizes, keep)
-
-
-# -- input checks, carried in the messages themselves ---------------------------------------
-# Every message of a sparse collective starts with a small header: the sender's status (0, or
-# the code of a problem with some rank's input), who it is about, and the sender's signature
-# (d, k, value dtype). A receiver compares the signature with its own, so a disagreement or a
-# malformed input anywhere reaches every rank through the collective's own messages: every
-# rank raises the same HvcommError, with no extra collective on the hot path.
-PROBLEMS = {
-    1: "indices and values must be numpy arrays",
-    2: "indices and values must be 1-D arrays of equal length",
-    3: "indices and values must be contiguous (use np.ascontiguousarray)",
-    4: "indices must be int32 or int64",
-    5: "d needs int64 indices (see collectives.index_dtype)",
-    6: "values must be float32 or float64",
-    7: "d must be a positive integer",
-    8: "k must be an integer in [1, d]",
-    9: "more pairs than k",
-    10: "indices must lie in [0, d)",
-    11: "indices must be unique within a rank",
-    12: "values contain NaN or Inf; check the gradients (loss scale, learning rate)",
-}
-DISAGREE = 99
-_DTYPE_CODE = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
-_DTYPE_NAME = {1: "float32", 2: "float64", -1: "?"}
-# header fields: status, pairs, mask length, then (rank, d, k, dtype) of whom it is about,
-# and of the other party of a disagreement
-STATUS, N, M, RANK, D, K, DT, RANK2, D2, K2, DT2 = range(11)
-HEADER_LEN = 11
-
-
-@dataclass
-class _Input:
-    """One rank's input, sorted by index, with its header (status and signature)."""
-    indices: np.ndarray
-    values: np.ndarray
-    order: Optional[np.ndarray]  # input position of each sorted pair; None: already sorted
-    header: np.ndarray
-    compute_s: float             # the time the checks and the sort took
-
-
-def _structural_problem(indices, values, d, k) -> int:
-    if not isinstance(indices, np.ndarray) or not isinstance(values, np.ndarray):
-        return 1
-    if indices.ndim != 1 or values.ndim != 1 or indices.size != values.size:
-        return 2
-    if not (indices.flags.c_contiguous and values.flags.c_contiguous):
-        return 3
-    if indices.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-        return 4
-    if values.dtype not in VALUE_DTYPES:
-        return 6
-    if not (isinstance(d, (int, np.integer)) and d > 0):
-        return 7
-    if indices.dtype == np.int32 and d > 2**31:
-        return 5
-    if k is not None and not (isinstance(k, (int, np.integer)) and 0 < k <= d):
-        return 8
-    if k is not None and indices.size > k:
-        return 9
-    return 0
-
-
-def _prepare(comm, indices, values, d, k, check: bool) -> _Input:
-    """This rank's pairs sorted by index (one linear pass when they already are), checked,
-    with the header that carries the verdict. ``check=False`` skips the range and
-    finiteness checks, not the structural ones or the signature comparison."""
-    t0 = time.perf_counter()
-    header = np.zeros(HEADER_LEN, np.int64)
-    header[RANK], header[RANK2] = comm.Get_rank(), -1
-    problem = _structural_problem(indices, values, d, k)
-    if problem:
-        header[STATUS], header[D:DT + 1] = problem, -1
-        return _Input(np.empty(0, np.int64), np.empty(0), None, header, 0.0)
-    header[D], header[K], header[DT] = d, -1 if k is None else k, _DTYPE_CODE[values.dtype]
-    order = None
-    state = kernels.sorted_unique_in_range(indices, d)
-    if state == 1:  # out of order: sort (the only O(k log k) case), then look again
-        order = np.argsort(indices, kind="stable")
-        indices, values = indices[order], values[order]
-        state = kernels.sorted_unique_in_range(indices, d)
-        if state == 1:
-            header[STATUS] = 11
-    if check and state == 2:
-        header[STATUS] = 10
-    if check and not header[STATUS] and not kernels.all_finite(values):
-        header[STATUS] = 12
-    indices = indices.astype(index_dtype(d), copy=False)
-    return _Input(indices, values, order, header, time.perf_counter() - t0)
-
-
-def _absorb(mine: np.ndarray, theirs: np.ndarray) -> None:
-    """Fold a received header into this rank's: the first problem seen wins."""
-    if mine[STATUS]:
-        return
-    if theirs[STATUS]:
-        mine[STATUS], mine[RANK:] = theirs[STATUS], theirs[RANK:]
-    elif not np.array_equal(mine[D:DT + 1], theirs[D:DT + 1]):
-        mine[RANK2:] = mine[RANK:DT + 1]
-        mine[RANK:DT + 1] = theirs[RANK:DT + 1]
-        mine[STATUS] = DISAGREE
-
-
-def _raise_if_problem(header: np.ndarray, what: str) -> None:
-    status = int(header[STATUS])
-    if not status:
-        return
-    if status == DISAGREE:
-        def sig(at):
-            k = header[at + 2]
-            return (f"rank {header[at]}: d={header[at + 1]}, k={'None' if k < 0 else k}, "
-                    f"dtype={_DTYPE_NAME[int(header[at + 3])]}")
-        raise HvcommError(f"{what}: ranks disagree ({sig(RANK)}; {sig(RANK2)}); every rank "
-                          "must pass the same d, k and value dtype", everywhere=True)
-    raise HvcommError(f"{what}: rank {header[RANK]}: {PROBLEMS[status]}", everywhere=True)
-
-
-def _pair_dtypes(header: np.ndarray, idt, vdt):
-    """The index and value dtypes of the pairs that follow a header (own ones if unknown)."""
-    if header[D] > 0 and int(header[DT]) in _DTYPE_NAME and header[DT] > 0:
-        return index_dtype(int(header[D])), np.dtype(_DTYPE_NAME[int(header[DT])])
-    return idt, vdt
-
-
 def _children(rank: int, size: int):
     """The ranks this rank receives from in the binomial tree, in round order."""
     out = []
@@ -257,7 +56,7 @@ def _children(rank: int, size: int):
     return out
 
 
-def _gtopk_steps(comm, mine: _Input, k, tag, ws: Workspace):
+def _gtopk_steps(comm, mine: SparseInput, k, tag, ws: Workspace):
     rank, size = comm.Get_rank(), comm.Get_size()
     head = mine.header
     idt, vdt = mine.indices.dtype, mine.values.dtype
@@ -269,14 +68,14 @@ def _gtopk_steps(comm, mine: _Input, k, tag, ws: Workspace):
     for child in children:  # up: a header, then the child's indices and values
         theirs = np.empty(HEADER_LEN, np.int64)
         yield [comm.Irecv(theirs, source=child, tag=tag)]
-        c_idt, c_vdt = _pair_dtypes(theirs, idt, vdt)  # the sender's, even if they differ
+        c_idt, c_vdt = pair_dtypes(theirs, idt, vdt)  # the sender's, even if they differ
         c_idx, c_val = np.empty(theirs[N], c_idt), np.empty(theirs[N], c_vdt)
         yield [comm.Irecv(c_idx, source=child, tag=tag), comm.Irecv(c_val, source=child, tag=tag)]
-        _absorb(head, theirs)
+        absorb(head, theirs)
         if head[STATUS]:
             continue
         t0 = time.perf_counter()
-        step = _merge_step(cur_idx, cur_val, c_idx, c_val, k, ws, len(history))
+        step = merge_step(cur_idx, cur_val, c_idx, c_val, k, ws, len(history))
         compute += time.perf_counter() - t0
         history.append((child, step))
         cur_idx, cur_val = step.indices, step.values
@@ -319,7 +118,7 @@ def _gtopk_steps(comm, mine: _Input, k, tag, ws: Workspace):
                 sends.append(comm.Isend(m, dest=child, tag=tag))
     if sends:
         yield sends
-    _raise_if_problem(head, "gtopk_allreduce")
+    raise_if_problem(head, "gtopk_allreduce")
     t0 = time.perf_counter()
     if mine.order is not None:  # back to the caller's input order
         in_order = np.empty(reached.size, bool)
@@ -354,7 +153,7 @@ def igtopk_allreduce(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d:
     [0, d) and its values are finite (linear time). Indices may come in any order: sorted
     input costs one pass, unsorted input is sorted first.
     """
-    mine = _prepare(comm, indices, values, d, k, check)
+    mine = prepare(comm, indices, values, d, k, check)
     return Pending(pooled(_gtopk_steps, comm, mine, k, tag))
 
 
@@ -387,7 +186,7 @@ def _sum_runs(idx: np.ndarray, val: np.ndarray, starts: np.ndarray, ws: Workspac
     return acc_idx, acc_val
 
 
-def _allgather_steps(comm, mine: _Input, ws: Workspace):
+def _allgather_steps(comm, mine: SparseInput, ws: Workspace):
     size = comm.Get_size()
     idt, vdt = mine.indices.dtype, mine.values.dtype
     head = mine.header
@@ -396,8 +195,8 @@ def _allgather_steps(comm, mine: _Input, ws: Workspace):
     yield [comm.Iallgather(head.copy(), heads)]
     head = heads[0].copy()
     for theirs in heads[1:]:  # every rank folds the same headers in the same order
-        _absorb(head, theirs)
-    _raise_if_problem(head, "topk_allgather")
+        absorb(head, theirs)
+    raise_if_problem(head, "topk_allgather")
     counts = heads[:, N]
     total = int(counts.sum())
     all_idx, all_val = ws.get("gathered idx", total, idt), ws.get("gathered val", total, vdt)
@@ -423,7 +222,7 @@ def itopk_allgather(comm: MPI.Comm, indices: np.ndarray, values: np.ndarray, d: 
     counts, then pairs). The gathered runs are summed in rank order by linear merges.
     Checks as for :func:`igtopk_allreduce`; the headers travel with the counts.
     """
-    mine = _prepare(comm, indices, values, d, k, check)
+    mine = prepare(comm, indices, values, d, k, check)
     return Pending(pooled(_allgather_steps, comm, mine))
 
 

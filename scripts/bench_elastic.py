@@ -8,9 +8,8 @@ results/elastic.md.
   with both ranks of the second host killed at once; dense, gTop-k, OD-SGD and P3. Recovery
   = from the kill to the first step completed by the last survivor, from the job's own logs.
 - commit(): the main job's digits model (scripts/workloads.py, 64-512-512-10, 8 samples per
-  rank),
-  dense DistributedOptimizer, TorchState(model, optimizer, two counters); the median of
-  ``commit()`` against the median training step, at 2 ranks.
+  rank), dense DistributedOptimizer, TorchState(model, optimizer, two counters); the median
+  of ``commit()`` against the median training step, at 2 ranks.
 - Steady state: the same steps for a fixed count, with and without ``--with-ft ulfm``,
   alternating, three runs each; steps per second.
 - A node crash: on 3 emulated hosts x 1 rank, the third host's rank kills its parent, Open
@@ -41,6 +40,7 @@ from hvcomm.cluster import launch, netem, outcome
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE.parent / "tests" / "mpi" / "elastic_train.py"
+SUITE = HERE.parent.parent / "shared" / "horovod_suite" / "run_elastic.sh"  # Horovod's
 METHODS = ("none", "gtopk", "od-sgd", "p3")
 FAIL_AT = 7
 
@@ -287,9 +287,6 @@ def run_worker(mode: str, n: int, steps: int, ft: bool) -> dict:
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"worker {mode} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
         return json.loads(out.read_text())
-
-
-SUITE = HERE.parent.parent / "shared" / "horovod_suite" / "run_elastic.sh"
 
 
 def horovod_elastic_suite() -> str:

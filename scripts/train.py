@@ -217,6 +217,9 @@ def main() -> None:
         (ckpt_dir / "listening").write_text(f"{size} ranks\n")
     # one rank makes the data (the same on every rank), leaving the others' cores to it
     data = MPI.COMM_WORLD.bcast(work.load(args.seed) if rank == 0 else None)
+    # MPI's TCP transport connects a pair of ranks at its first message: connect every pair
+    # now, so that no method's timed steps pay for it (gloo connects at its init)
+    MPI.COMM_WORLD.alltoall([None] * size)
     results = []
     for method in methods:
         run = copy.copy(args)

@@ -24,7 +24,8 @@ BODY = """
 import io, json, runpy, contextlib
 import collectives, collectives.errors, collectives.cost, collectives.reference
 import collectives.kernels
-from collectives.sparse import ceil_log2, index_dtype
+import collectives.sparse  # noqa: F401 (imports without MPI)
+from collectives.plans import ceil_log2, index_dtype
 from collectives.merged import BucketPlan
 from collectives import AlphaBeta, HvcommError, gtopk_allreduce_s, ring_allreduce_s
 import hvcomm, hvcomm.planner, hvcomm.sim.simulate, hvcomm.sim.advise, hvcomm.cluster.launch

@@ -35,7 +35,6 @@ _EXPORTS = {
 }
 __all__ = lazy_names(__name__, globals(), _EXPORTS, {
     "HvcommError": ("collectives.errors", "HvcommError"),
-    # Horovod's name for the error its collectives raise: hvcomm's is HvcommError
-    "HorovodInternalError": ("collectives.errors", "HvcommError"),
+    "HorovodInternalError": (".elastic", "HorovodInternalError"),  # HvcommError
     "ProcessFailure": ("collectives.errors", "ProcessFailure"),
     "HostsUpdatedInterrupt": (".elastic", "HostsUpdatedInterrupt")})

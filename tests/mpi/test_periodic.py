@@ -1,8 +1,8 @@
 """Local SGD and DiLoCo (periodic averaging): every step's local and global weights against the
-independent serial reference of references.py, exactly (warm-up, local steps, exchanges, outer
-Nesterov momentum, fragments exchanged in turn while inner steps compute, a checkpoint reloaded
-mid-run, finish_pending); the global weights agree on every rank; the bytes sent; bad
-settings raise on every rank."""
+independent serial reference of periodic_reference.py, exactly (warm-up, local steps,
+exchanges, outer Nesterov momentum, fragments exchanged in turn while inner steps compute, a
+checkpoint reloaded mid-run, finish_pending); the global weights agree on every rank; the bytes
+sent; bad settings raise on every rank."""
 from fractions import Fraction
 
 import pytest
@@ -10,6 +10,7 @@ import torch
 
 import hvcomm.torch as hvd
 
+import periodic_reference as pref
 import references as ref
 from harness import assert_none_anywhere, default_dtype, expect_everywhere
 from training import QUADRATIC_SGD, against_reference, build_quadratic, mismatches
@@ -17,19 +18,19 @@ from training import QUADRATIC_SGD, against_reference, build_quadratic, mismatch
 Q = Fraction
 # hvcomm's settings and the reference's, alike
 REFERENCED = {
-    "local-sgd": (hvd.LocalSGD(period=3, warmup_steps=2), ref.PeriodicSpec(3, 2)),
-    "local-sgd-no-warmup": (hvd.LocalSGD(period=2), ref.PeriodicSpec(2)),
+    "local-sgd": (hvd.LocalSGD(period=3, warmup_steps=2), pref.PeriodicSpec(3, 2)),
+    "local-sgd-no-warmup": (hvd.LocalSGD(period=2), pref.PeriodicSpec(2)),
     "diloco": (hvd.DiLoCo(period=3, warmup_steps=1, outer_lr=0.5, outer_momentum=0.5),
-               ref.PeriodicSpec(3, 1, Q(1, 2), Q(1, 2), nesterov=True)),
+               pref.PeriodicSpec(3, 1, Q(1, 2), Q(1, 2), nesterov=True)),
     "diloco-heavy-ball": (hvd.DiLoCo(period=2, outer_lr=0.75, outer_momentum=0.25,
                                      nesterov=False),
-                          ref.PeriodicSpec(2, 0, Q(3, 4), Q(1, 4))),
+                          pref.PeriodicSpec(2, 0, Q(3, 4), Q(1, 4))),
     "diloco-streaming": (hvd.DiLoCo(period=4, warmup_steps=1, outer_lr=0.5, outer_momentum=0.5,
                                     fragments=3, overlap_steps=1, mix=0.5),
-                         ref.PeriodicSpec(4, 1, Q(1, 2), Q(1, 2), True, 3, 1, Q(1, 2))),
+                         pref.PeriodicSpec(4, 1, Q(1, 2), Q(1, 2), True, 3, 1, Q(1, 2))),
     "diloco-streaming-late": (hvd.DiLoCo(period=3, outer_lr=1.0, outer_momentum=0.5,
                                          fragments=2, overlap_steps=2),
-                              ref.PeriodicSpec(3, 0, Q(1), Q(1, 2), True, 2, 2)),
+                              pref.PeriodicSpec(3, 0, Q(1), Q(1, 2), True, 2, 2)),
 }
 SHAPES = {"a": (2, 3), "b": (4,), "c": (3,), "d": (1,)}
 
@@ -40,11 +41,11 @@ COMPRESSED = {
     "diloco-topk": (dict(delay=hvd.DiLoCo(period=2, outer_lr=0.5, outer_momentum=0.5,
                                           fragments=2),
                          compression=hvd.Compression.topk(0.25, scope="bucket")),
-                    ref.PeriodicSpec(2, 0, Q(1, 2), Q(1, 2), True, 2), ref.TopK(0.25,
+                    pref.PeriodicSpec(2, 0, Q(1, 2), Q(1, 2), True, 2), ref.TopK(0.25,
                                                                                scope="bucket")),
     "local-sgd-twobit": (dict(delay=hvd.LocalSGD(period=2, warmup_steps=1),
                               compression=hvd.Compression.twobit(1.0)),
-                         ref.PeriodicSpec(2, 1), ref.TwoBit(Q(1))),
+                         pref.PeriodicSpec(2, 1), ref.TwoBit(Q(1))),
 }
 
 
@@ -62,7 +63,7 @@ def test_matches_the_serial_reference(name, reload_at, steps=10):
     exactly; before step ``reload_at`` the state is saved and loaded into a new model and
     optimizer (mid-exchange for the overlapped ones); then finish_pending."""
     settings, spec = REFERENCED[name]
-    sim = ref.PeriodicSimulation(hvd.size(), SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec)
+    sim = pref.PeriodicSimulation(hvd.size(), SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec)
     assert_none_anywhere(against_reference(sim, lambda: build_quadratic(SHAPES, delay=settings),
                                            steps, reload_at))
 
@@ -75,7 +76,7 @@ def test_compressed_differences_match_the_serial_reference(name, steps=9):
     if P & (P - 1):
         pytest.skip(f"the average over {P} ranks of what each chose is not exact in float64")
     kw, spec, comp = COMPRESSED[name]
-    sim = ref.PeriodicSimulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec, comp=comp)
+    sim = pref.PeriodicSimulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec, comp=comp)
 
     def residuals_match(s, state):
         residuals = state["hvcomm"]["residuals_by_param"]
@@ -92,7 +93,7 @@ def test_the_fragments_split_as_documented():
     from hvcomm.torch.methods.periodic import fragments_of
     for sizes in ([6, 4, 3, 1], [1, 1, 1, 9], [9, 1, 1, 1], [5] * 7, [2, 100]):
         for count in range(1, len(sizes) + 1):
-            assert fragments_of(sizes, count) == ref.split_fragments(sizes, count), (sizes, count)
+            assert fragments_of(sizes, count) == pref.split_fragments(sizes, count), (sizes, count)
 
 
 def test_an_exchange_sends_the_model_once_per_period():
@@ -113,7 +114,7 @@ def test_the_difference_travels_in_16_bits():
     rounding of the exact reference's."""
     settings, spec = REFERENCED["diloco"]
     P, r = hvd.size(), hvd.rank()
-    sim = ref.PeriodicSimulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec)
+    sim = pref.PeriodicSimulation(P, SHAPES, ref.SGD(*map(Q, QUADRATIC_SGD)), spec)
     model, opt = build_quadratic(SHAPES, delay=settings, compression=hvd.Compression.fp16)
     for s in range(4):
         opt.zero_grad()

@@ -53,14 +53,16 @@ from typing import Any, Callable, Optional, Tuple
 
 from collectives.errors import HvcommError, ProcessFailure
 
-from .. import HorovodInternalError, ending, fault
+from .. import ending, fault
 from .. import runtime as _runtime
 from ..checkpoint import newest_in_all
 from ..gather_ops import allgather_object
 from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
-from .state import (KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, TorchState,
-                    saved_on_disk)
+from .state import KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, saved_on_disk
+from .torch_state import TorchState
+
+HorovodInternalError = HvcommError  # Horovod's name for the error its collectives raise
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",
            "State", "TorchState", "run", "recoveries"]

@@ -1,6 +1,7 @@
 """Every way hvcomm synchronises gradients, one module each, and the registry that the optimizer,
 the simulator, the advisor and the scripts read (:mod:`hvcomm.torch.methods.base` says what a
-module declares). A new method is one new module and its name in :data:`MODULES`.
+module declares; :mod:`registry` holds them by name). A new method is one new module and its
+name in :data:`MODULES`.
 
 Beside them, the machinery the methods are built from: :mod:`strategy` and :mod:`sync`
 (bucketed synchronous averaging), :mod:`buckets`, :mod:`reducer` (one bucket's trip),
@@ -12,11 +13,9 @@ Importing this package needs no MPI library.
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List, Optional
-
-from collectives.errors import HvcommError
 
 from .base import Compressor, Method
+from .registry import REGISTRY, add, get, names
 
 MODULES = (
     "none", "fp16", "bf16", "topk", "gtopk", "randomk", "twobit",  # what travels (compression=)
@@ -25,26 +24,8 @@ MODULES = (
     "od_sgd", "ssd_sgd", "cd_sgd",                                # delayed synchronisation
     "local_sgd", "diloco",                                        # ... and periodic averaging
 )
-
-REGISTRY: Dict[str, Method] = {}
 for _module in MODULES:
-    _method = importlib.import_module(f"{__name__}.{_module}").METHOD
-    assert _method.name not in REGISTRY, f"two methods named {_method.name!r}"
-    REGISTRY[_method.name] = _method
-
-
-def names(role: Optional[str] = None) -> List[str]:
-    """The methods' names, in registry order (those of one ``role`` if given)."""
-    return [m.name for m in REGISTRY.values() if role is None or m.role == role]
-
-
-def get(name: str, role: Optional[str] = None) -> Method:
-    """The method called ``name`` (of ``role`` if given); an unknown name lists the valid ones."""
-    method = REGISTRY.get(name) if isinstance(name, str) else None
-    if method is None or (role is not None and method.role != role):
-        what = f"{role} method" if role else "method"
-        raise HvcommError(f"unknown {what} {name!r}; choose one of {names(role)}")
-    return method
+    add(importlib.import_module(f"{__name__}.{_module}").METHOD)
 
 
 class Compression:

@@ -30,6 +30,7 @@ from collectives.errors import HvcommError
 
 from .. import timeline
 from .base import Method
+from .registry import REGISTRY, get, names
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
 
@@ -49,11 +50,9 @@ class Delay:
 
     @property
     def method(self) -> DelayMethod:
-        from . import get
         return get(self.mode, "delay")
 
     def problem(self, compression_is_none: bool) -> Optional[str]:
-        from . import names
         if self.mode not in names("delay"):
             return f"delay mode must be one of {names('delay')}, got {self.mode!r}"
         method = self.method
@@ -88,7 +87,6 @@ class Delay:
 def as_delay(delay):
     """``delay=`` as given: None, a settings object (a Delay, LocalSGD or DiLoCo), or a delay
     method's name (its default settings)."""
-    from . import REGISTRY, names
     from .periodic import Periodic
     if delay is None or isinstance(delay, (Delay, Periodic)):
         return delay

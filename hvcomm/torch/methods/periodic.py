@@ -35,6 +35,7 @@ from .. import timeline
 from .base import Method
 from .buckets import CommStats, plan_groups
 from .memory import ErrorFeedback
+from .registry import get
 from .strategy import Strategy
 from .sync import Launched, Synchronous
 
@@ -58,7 +59,6 @@ class Periodic:
 
     @property
     def method(self) -> "PeriodicMethod":
-        from . import get
         return get(self.mode, "delay")
 
     def problem(self, compression_is_none: bool) -> Optional[str]:

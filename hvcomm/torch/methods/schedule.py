@@ -17,6 +17,7 @@ from hvcomm import planner
 
 from .base import ScheduleMethod
 from .buckets import ONE_BUCKET_BYTES, plan_groups
+from .registry import REGISTRY
 
 _COSTS: Dict[int, "tuple[int, planner.Cost]"] = {}  # size -> (largest bytes measured, fit)
 
@@ -205,7 +206,6 @@ class ScheduledPlans:
         self._order, trace = observed_trace(ready, update_s, self._nbytes, self._dtypes,
                                             self._names)
         cost = cost_for(self._engine, sum(self._nbytes))
-        from . import REGISTRY
         self.schedule_report = [m.plan(trace, cost, self._threshold) for m in REGISTRY.values()
                                 if isinstance(m, PlannedSchedule)]
         by_name = {p.schedule: p for p in self.schedule_report}
