@@ -28,3 +28,20 @@ def test_site_mpi_job_refuses_the_pypi_open_mpi():
         pytest.skip("this environment is built against a system MPI: no PyPI Open MPI to refuse")
     problem = launch.environment_problem(site_mpi=True)
     assert problem and "PyPI Open MPI" in problem and "HVCOMM_SYSTEM_MPI=1" in problem, problem
+
+
+@pytest.mark.parametrize("first_error, launches", [(launch.LAUNCHER_DID_NOT_START, 2),
+                                                   ("a rank raised", 1)])
+def test_run_launches_again_only_when_the_launcher_did_not_start(monkeypatch, first_error,
+                                                                 launches):
+    results = [subprocess.CompletedProcess([], 213, "", f"--\n{first_error}. We cannot\n--"),
+               subprocess.CompletedProcess([], 0, "OK", "")]
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return results[len(calls) - 1]
+    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    proc = launch.run(2, ["x.py"], timeout=10)
+    assert len(calls) == launches and proc is results[launches - 1]
