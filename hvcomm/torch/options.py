@@ -14,7 +14,7 @@ from mpi4py import MPI
 from collectives.errors import HvcommError
 
 from . import methods
-from .methods.base import Compressor, is_native, sends_as_is
+from .methods.base import Compressor, Request, is_native, sends_as_is
 from .methods.buckets import ONE_BUCKET_BYTES
 from .methods.delayed import as_delay
 from .methods.strategy import BaseStep, Strategy
@@ -24,23 +24,25 @@ from .process_sets import ProcessSet, global_process_set
 from .runtime import runtime
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
+    """DistributedOptimizer's keyword arguments, one field each (their defaults are its
+    signature's: it builds this from its parameters of the same names)."""
     named_parameters: Optional[List[tuple]]
     compression: Any
-    backward_passes_per_step: int = 1
-    op: str = Average
-    gradient_predivide_factor: float = 1.0
-    groups: Any = None
-    sparse_as_dense: bool = False
-    process_set: Any = None
-    fusion_threshold_bytes: Optional[int] = None
-    schedule: Optional[str] = None
-    profile_steps: int = 3
-    slice_elems: int = 50_000
-    model: Optional[torch.nn.Module] = None
-    trial_steps: int = 5
-    delay: Any = None              # as given; :meth:`resolved` turns a name into its settings
+    backward_passes_per_step: int
+    op: str
+    gradient_predivide_factor: float
+    groups: Any
+    sparse_as_dense: bool
+    process_set: Any
+    fusion_threshold_bytes: Optional[int]
+    schedule: Optional[str]
+    profile_steps: int
+    slice_elems: int
+    model: Optional[torch.nn.Module]
+    trial_steps: int
+    delay: Any                     # as given; :meth:`resolved` turns a name into its settings
 
     # -- derived -------------------------------------------------------------------------------
     def resolved(self, default_threshold_bytes: int) -> "Options":
@@ -50,6 +52,11 @@ class Options:
         return dataclasses.replace(self, delay=as_delay(self.delay),
                                    fusion_threshold_bytes=(default_threshold_bytes
                                                            if threshold is None else threshold))
+
+    @property
+    def plain_average(self) -> bool:
+        """op=Average without a predivide factor: the sum over P divided by P."""
+        return self.op == Average and self.gradient_predivide_factor == 1.0
 
     @property
     def predivide(self) -> float:
@@ -67,29 +74,40 @@ class Options:
             return self.fusion_threshold_bytes
         return 0 if scope == "layer" else ONE_BUCKET_BYTES
 
-    def agreement_key(self, name_of: Dict[Any, str]) -> tuple:
-        """What every rank must pass alike (besides the parameters), of a resolved Options:
-        everything but the parameters themselves, the model and the process set (whose
-        members agree when it is made). ``name_of``: each parameter's name, to say ``groups``
-        by name."""
-        groups = self.groups
-        if isinstance(groups, list):
-            groups = [[name_of.get(p, "not a parameter") for p in g] for g in groups]
-        return ("options", self.backward_passes_per_step, self.op,
-                self.gradient_predivide_factor, _described(self.compression), self.schedule,
-                self.profile_steps, self.slice_elems, self.model is not None, self.trial_steps,
-                repr(as_delay(self.delay)), self.fusion_threshold_bytes, self.sparse_as_dense,
-                groups)
+    # the fields ranks may pass differently: each rank's own parameter objects (compared by
+    # name, shape and dtype apart: agree_on_parameters) and its process set object (whose
+    # members agree when it is made)
+    NOT_AGREED = ("named_parameters", "process_set")
+
+    def agreement_key(self, name_of: Dict[Any, str]) -> List[tuple]:
+        """What every rank must pass alike, of a resolved Options: ("option", field, value)
+        for every field but :data:`NOT_AGREED`, objects said by what matters of them.
+        ``name_of``: each parameter's name, to say ``groups`` by name."""
+        said = {"compression": _described(self.compression),
+                "model": self.model is not None,  # each rank's own module: only whether given
+                "delay": repr(as_delay(self.delay))}
+        if isinstance(self.groups, list):
+            said["groups"] = [[name_of.get(p, "not a parameter") for p in g]
+                              for g in self.groups]
+        return [("option", f.name, said.get(f.name, getattr(self, f.name)))
+                for f in dataclasses.fields(self) if f.name not in self.NOT_AGREED]
 
     # -- validation ----------------------------------------------------------------------------
     def problem(self, optimizer, size: int) -> Optional[str]:
-        """This rank's first problem with the arguments, or None."""
-        problem = _local_problem(self, optimizer, size)
+        """This rank's first problem with the arguments, or None: the options' own rules,
+        then each method's ``problem`` (the compressor's, the schedule's, the delay's) on one
+        :class:`hvcomm.torch.methods.base.Request`."""
+        problem = _local_problem(self, optimizer)
+        if problem is not None:
+            return problem
+        request = Request(self, [p for g in optimizer.param_groups for p in g["params"]
+                                 if p.requires_grad], size)
+        if is_native(self.compression):
+            problem = self.compression.problem(request)
         if problem is None:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-            problem = _schedule_problem(self, params)
+            problem = _schedule_problem(request)
         if problem is None:
-            problem = _delay_problem(self)
+            problem = _delay_problem(request)
         if problem is None and self.sparse_as_dense not in (True, False):
             problem = f"sparse_as_dense must be True or False, got {self.sparse_as_dense!r}"
         if problem is None and self.process_set not in (None, global_process_set):
@@ -110,7 +128,7 @@ def _described(compression) -> str:
     return text
 
 
-def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
+def _local_problem(o: Options, optimizer) -> Optional[str]:
     bpps, compression = o.backward_passes_per_step, o.compression
     if not isinstance(optimizer, torch.optim.Optimizer):
         return f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -126,11 +144,6 @@ def _local_problem(o: Options, optimizer, size: int) -> Optional[str]:
     if not isinstance(compression, Compressor) and not (
             hasattr(compression, "compress") and hasattr(compression, "decompress")):
         return "compression must provide compress() and decompress() (e.g. Compression.fp16)"
-    if is_native(compression):
-        dtypes = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        bad = compression.problem(dtypes, size)
-        if bad:
-            return bad
     return _names_problem(o.named_parameters, optimizer)
 
 
@@ -154,7 +167,8 @@ def _names_problem(named, optimizer) -> Optional[str]:
     return None
 
 
-def _schedule_problem(o: Options, params) -> Optional[str]:
+def _schedule_problem(request: Request) -> Optional[str]:
+    o = request.options
     schedules = methods.names("schedule")
     if o.schedule is not None and o.schedule not in schedules:
         return f"schedule must be one of {schedules} (or None), got {o.schedule!r}"
@@ -162,30 +176,15 @@ def _schedule_problem(o: Options, params) -> Optional[str]:
     if o.model is not None and not (method and method.takes_model):
         takers = [n for n in methods.names("schedule") if methods.get(n).takes_model]
         return f"model= is used by schedule={' or '.join(map(repr, takers))} only"
-    if method is None:
-        return None
-    if o.groups is not None:
-        return "pass either groups= or schedule=, not both"
-    return method.problem(o, params)
+    return None if method is None else method.problem(request)
 
 
-def _delay_problem(o: Options) -> Optional[str]:
+def _delay_problem(request: Request) -> Optional[str]:
     try:
-        delay = as_delay(o.delay)
+        delay = as_delay(request.options.delay)
     except HvcommError as e:
         return str(e)
-    if delay is None:
-        return None
-    problem = delay.problem(sends_as_is(o.compression))
-    if problem is None and delay.method.averages_models and (
-            o.op != Average or o.gradient_predivide_factor != 1.0):
-        problem = (f"delay={delay.mode!r} averages the models: leave op=Average and "
-                   "gradient_predivide_factor=1.0")
-    if problem is None and o.schedule is not None:
-        problem = "delay= and schedule= cannot be combined; leave schedule=None"
-    if problem is None and not is_native(o.compression):
-        problem = "delay= needs an hvcomm compressor (Compression.*)"
-    return problem
+    return None if delay is None else delay.problem(request)
 
 
 def averaging_comm(o: Options) -> MPI.Comm:

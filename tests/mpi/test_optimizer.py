@@ -169,7 +169,7 @@ def test_bad_input_raises_on_every_rank():
         # tensors in each sum
         expect_everywhere(lambda: hvd.DistributedOptimizer(
             make_opt(m), named_parameters=m.named_parameters(),
-            fusion_threshold_bytes=64 if odd else None), "or options")
+            fusion_threshold_bytes=64 if odd else None), "('option', 'fusion_threshold_bytes'")
         params = list(m.parameters())
         expect_everywhere(lambda: hvd.DistributedOptimizer(
             make_opt(m), named_parameters=m.named_parameters(),
@@ -179,3 +179,35 @@ def test_bad_input_raises_on_every_rank():
             "or options")
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # still usable afterwards
 
+
+
+def test_the_options_are_the_signatures_keywords_and_all_but_two_are_agreed():
+    """DistributedOptimizer builds its Options from its parameters of the same names, so the
+    two must list the same names; every field but the parameters and the process set is in
+    the key the ranks compare, and changing one changes the key."""
+    import dataclasses
+    import inspect
+    from hvcomm.torch.options import Options
+    fields = [f.name for f in dataclasses.fields(Options)]
+    assert list(inspect.signature(hvd.DistributedOptimizer).parameters) == ["optimizer", *fields]
+    m = Net()
+    params = list(m.parameters())
+    base = Options(named_parameters=list(m.named_parameters()),
+                   compression=hvd.Compression.none, backward_passes_per_step=1,
+                   op=hvd.Average, gradient_predivide_factor=1.0, groups=None,
+                   sparse_as_dense=False, process_set=None, fusion_threshold_bytes=1024,
+                   schedule=None, profile_steps=3, slice_elems=50_000, model=None,
+                   trial_steps=5, delay=None)
+    other = dict(named_parameters=list(m.named_parameters())[::-1],
+                 compression=hvd.Compression.fp16, backward_passes_per_step=2, op=hvd.Sum,
+                 gradient_predivide_factor=2.0, groups=[params[:1], params[1:]],
+                 sparse_as_dense=True, process_set=hvd.global_process_set,
+                 fusion_threshold_bytes=64, schedule="wfbp", profile_steps=4, slice_elems=10,
+                 model=m, trial_steps=6, delay="od-sgd")
+    assert sorted(other) == sorted(fields)
+    name_of = {p: n for n, p in m.named_parameters()}
+    key = base.agreement_key(name_of)
+    assert [entry[1] for entry in key] == [f for f in fields if f not in Options.NOT_AGREED]
+    for field, value in other.items():
+        changed = dataclasses.replace(base, **{field: value}).agreement_key(name_of)
+        assert (changed == key) == (field in Options.NOT_AGREED), field

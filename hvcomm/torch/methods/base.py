@@ -132,6 +132,21 @@ class Adasum(Collective):
 ALLREDUCE, ADASUM = Allreduce(), Adasum()
 
 
+@dataclass(frozen=True)
+class Request:
+    """What every method's ``problem(request) -> Optional[str]`` judges (its first reason it
+    cannot serve, on this rank, or None): the DistributedOptimizer's options
+    (:class:`hvcomm.torch.options.Options`; None where a compressor alone is asked), the
+    parameters it trains and the number of ranks that average them."""
+    options: Any = None
+    params: Sequence[torch.nn.Parameter] = ()
+    size: int = 1
+
+    @property
+    def dtypes(self) -> set:
+        return {p.dtype for p in self.params}
+
+
 class Compressor:
     """A compressor: ``encode`` a flat gradient into a :class:`Payload` whose ``collective``
     sums it over the ranks, then ``decode`` the result into the dense sum. ``scope``:
@@ -166,8 +181,8 @@ class Compressor:
     def settle(self, residual: torch.Tensor, payload: Payload, result: Any) -> None:
         """After communication: put back into ``residual`` what was sent but not applied."""
 
-    def problem(self, dtypes, size: int) -> Optional[str]:
-        """Why this compressor cannot serve these gradient dtypes / communicator size."""
+    def problem(self, request: Request) -> Optional[str]:
+        """Why this compressor cannot serve the request's gradient dtypes or ranks."""
         return None
 
     def for_optimizer(self) -> "Compressor":
@@ -293,11 +308,24 @@ class ScheduleMethod(Method):
     role = "schedule"
     takes_model = False
 
-    def problem(self, o, params: Sequence[torch.nn.Parameter]) -> Optional[str]:
-        """This rank's first problem with the optimizer's options for this schedule."""
+    def problem(self, request: Request) -> Optional[str]:
+        """This rank's first problem with the optimizer's options for this schedule (each
+        schedule adds its own rules to these)."""
+        if request.options.groups is not None:
+            return "pass either groups= or schedule=, not both"
         return None
 
     def strategy(self, setup):
         """The strategy (a :class:`hvcomm.torch.methods.strategy.Strategy`) for ``setup``
         (:class:`hvcomm.torch.methods.sync.Setup`)."""
         raise NotImplementedError
+
+
+def delay_problem(request: Request) -> Optional[str]:
+    """The rules every delay= method (delayed and periodic) shares, on the other options."""
+    o = request.options
+    if o.schedule is not None:
+        return "delay= and schedule= cannot be combined; leave schedule=None"
+    if not is_native(o.compression):
+        return "delay= needs an hvcomm compressor (Compression.*)"
+    return None

@@ -5,6 +5,7 @@ with the correction as well delivered it in bursts that hurt (0.70 against 0.96 
 after 8 epochs of the digits job with 2-bit threshold 0.5)."""
 from __future__ import annotations
 
+from .base import Request
 from .delayed import DelayMethod, delayed_s
 from .twobit import TwoBitCompressor
 
@@ -21,7 +22,7 @@ class CDSGD(DelayMethod):
 
     def unmodelled(self, case):
         """Its 2-bit codes are summed as int8: at most 127 workers."""
-        return TwoBitCompressor().problem((), case.workers)
+        return TwoBitCompressor().problem(Request(size=case.workers))
 
     def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
         """With CD-SGD's own compressor, 2-bit codes of threshold 0.5."""

@@ -29,7 +29,7 @@ import torch
 from collectives.errors import HvcommError
 
 from .. import timeline
-from .base import Method
+from .base import Method, Request, delay_problem, sends_as_is
 from .registry import REGISTRY, get, names
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
@@ -52,7 +52,7 @@ class Delay:
     def method(self) -> DelayMethod:
         return get(self.mode, "delay")
 
-    def problem(self, compression_is_none: bool) -> Optional[str]:
+    def problem(self, request: Request) -> Optional[str]:
         if self.mode not in names("delay"):
             return f"delay mode must be one of {names('delay')}, got {self.mode!r}"
         method = self.method
@@ -67,10 +67,10 @@ class Delay:
             return f"local_lr must be > 0 (or None for the group's lr), got {self.local_lr!r}"
         if self.local_optimizer not in ("sgd", "dcasgd"):
             return f"local_optimizer must be 'sgd' or 'dcasgd', got {self.local_optimizer!r}"
-        if method.needs_compressor and compression_is_none:
+        if method.needs_compressor and sends_as_is(request.options.compression):
             return (f"delay={self.mode!r} needs a compressor (e.g. "
                     "compression=Compression.twobit(0.5))")
-        return None
+        return delay_problem(request)
 
     def is_reset(self, delayed_index: int) -> bool:
         return self.method.is_reset(delayed_index, self.k)
@@ -113,7 +113,7 @@ def local_update(cfg: Delay, groups: Sequence[dict], W: Dict[torch.nn.Parameter,
                                   lr, wd, reset)
 
 
-class Delayed(Strategy):
+class DelayedAveraging(Strategy):
     """The delayed modes around a :class:`Synchronous` that launches the buckets (built with
     ``dense_at=delay.sends_dense``). ``optimizer`` is the DistributedOptimizer (its
     param_groups give the local learning rates)."""
@@ -296,11 +296,11 @@ class DelayMethod(Method):
     def default_settings(self) -> Delay:
         return Delay(self.name)
 
-    def strategy(self, setup) -> Delayed:
+    def strategy(self, setup) -> DelayedAveraging:
         """A Synchronous of the fusion buckets (or ``groups=``), dense at the warm-up and
         full-precision steps, inside the delayed machinery."""
         sync = setup.synchronous(setup.fusion_groups(), dense_at=setup.options.delay.sends_dense)
-        return Delayed(sync, setup.options.delay, setup.optimizer)
+        return DelayedAveraging(sync, setup.options.delay, setup.optimizer)
 
     def predict(self, case):
         return delayed_s(case)

@@ -17,14 +17,14 @@ class LocalSGD(Periodic):
 
     mode = "local-sgd"
 
-    def problem(self, compression_is_none: bool):
+    def problem(self, request):
         fixed = dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False, fragments=1,
                      overlap_steps=0, mix=1.0)
         changed = [k for k, v in fixed.items() if getattr(self, k) != v]
         if changed:
             return (f"LocalSGD averages the models: {', '.join(changed)} cannot be set; use "
                     "DiLoCo(...) for an outer optimizer, fragments or overlap")
-        return super().problem(compression_is_none)
+        return super().problem(request)
 
 
 class LocalSGDMethod(PeriodicMethod):

@@ -23,7 +23,7 @@ def plan_merge_rule(trace: planner.Trace, cost: planner.Cost, threshold_bytes: i
         else:
             prev_end = start + cost(sum(trace.nbytes[j] for j in cur))
             groups.append([i])
-    return planner.simulate(trace, BucketPlan(tuple(tuple(g) for g in groups)), cost,
+    return planner.predict(trace, BucketPlan(tuple(tuple(g) for g in groups)), cost,
                             "merge_rule")
 
 

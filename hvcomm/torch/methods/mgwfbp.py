@@ -36,7 +36,7 @@ def plan_optimal(trace: planner.Trace, cost: planner.Cost, threshold_bytes: int 
     while j > 0:
         groups.append(tuple(range(cut[j], j)))
         j = cut[j]
-    return planner.simulate(trace, BucketPlan(tuple(reversed(groups))), cost, "mgwfbp")
+    return planner.predict(trace, BucketPlan(tuple(reversed(groups))), cost, "mgwfbp")
 
 
 class MGWFBP(PlannedSchedule):

@@ -335,7 +335,10 @@ class P3Schedule(ScheduleMethod):
 
     takes_model = True
 
-    def problem(self, o, params):
+    def problem(self, request):
+        o, params = request.options, request.params
+        if (problem := super().problem(request)) is not None:
+            return problem
         if not sends_as_is(o.compression):
             return ("schedule='p3' sends dense slices and takes no compression; use "
                     "compression=Compression.none or a merging schedule such as 'mgwfbp'")

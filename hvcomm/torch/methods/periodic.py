@@ -32,7 +32,7 @@ import torch
 from collectives.errors import HvcommError
 
 from .. import timeline
-from .base import Method
+from .base import Method, Request, delay_problem
 from .buckets import CommStats, plan_groups
 from .memory import ErrorFeedback
 from .registry import get
@@ -61,7 +61,7 @@ class Periodic:
     def method(self) -> "PeriodicMethod":
         return get(self.mode, "delay")
 
-    def problem(self, compression_is_none: bool) -> Optional[str]:
+    def problem(self, request: Request) -> Optional[str]:
         def whole(value, least):
             return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
@@ -88,7 +88,11 @@ class Periodic:
                     f"({self.period - 1}), got {self.overlap_steps!r}")
         if not (number(self.mix) and 0 < self.mix <= 1):
             return f"mix must be in (0, 1], got {self.mix!r}"
-        return None
+        o = request.options
+        if not o.plain_average:
+            return (f"delay={self.mode!r} averages the models: leave op=Average and "
+                    "gradient_predivide_factor=1.0")
+        return delay_problem(request)
 
     def offset(self, f: int) -> int:
         """Fragment f is exchanged after local steps t with t mod period == offset(f)."""

@@ -197,8 +197,8 @@ class PowerSGDCompressor(Compressor):
             self._q[x.name] = self._first_q(x.name, x.m, q.shape[1], q.dtype) if zero \
                 else q.clone()
 
-    def problem(self, dtypes, size):
-        return float_problem(dtypes, repr(self))
+    def problem(self, request):
+        return float_problem(request.dtypes, repr(self))
 
     def state_dict(self):
         return {"rank": self.rank, "q": {k: q.clone() for k, q in self._q.items()}}

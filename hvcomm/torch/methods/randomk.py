@@ -54,8 +54,8 @@ class RandomKCompressor(Compressor):
     def residual(self, acc, payload):
         return zero_at(acc, payload.indices)
 
-    def problem(self, dtypes, size):
-        return float_problem(dtypes, repr(self))
+    def problem(self, request):
+        return float_problem(request.dtypes, repr(self))
 
     def __repr__(self):
         return (f"Compression.randomk(density={self.density}, seed={self.seed}, "

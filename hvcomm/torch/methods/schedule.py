@@ -1,7 +1,7 @@
 """Planned groupings for the synchronous strategy: :class:`PlannedSchedule` (what the schedule
 methods wfbp, single, threshold, merge_rule and mgwfbp share: each names its plan), profiling
 the backward pass from the gradient hooks, the communicator's cost fit, and
-:class:`ScheduledPlans`, which turns them into plans through the schedules' plan functions
+:class:`GroupingPlanner`, which turns them into plans through the schedules' plan functions
 (and races the plans a schedule names in ``race_against``)."""
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class _Race:
         return None, True
 
 
-class ScheduledPlans:
+class GroupingPlanner:
     """A planner-driven source of groupings for :class:`hvcomm.torch.methods.sync.Synchronous`.
 
     Profiles the first iterations (1 skipped, then ``profile_steps``) with everything sent in
@@ -272,7 +272,10 @@ class PlannedSchedule(ScheduleMethod):
     def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
         return {"schedule": self.name, "trial_steps": trial_steps}
 
-    def problem(self, o, params):
+    def problem(self, request):
+        o = request.options
+        if (problem := super().problem(request)) is not None:
+            return problem
         if getattr(o.compression, "scope", "bucket") != "bucket":
             return (f"schedule={self.name!r} plans the buckets, but the compressor's scope is "
                     f"{o.compression.scope!r}; create it with scope='bucket'")
@@ -284,7 +287,7 @@ class PlannedSchedule(ScheduleMethod):
 
     def strategy(self, setup):
         o, params = setup.options, setup.params
-        plans = ScheduledPlans(self, [p.numel() * p.element_size() for p in params],
+        plans = GroupingPlanner(self, [p.numel() * p.element_size() for p in params],
                                [str(p.dtype) for p in params], setup.names, setup.engine,
                                o.fusion_threshold_bytes, o.profile_steps, o.trial_steps)
         # profiling: everything in one message after backward

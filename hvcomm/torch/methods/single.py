@@ -7,7 +7,7 @@ from .schedule import PlannedSchedule
 
 
 def plan_single(trace: planner.Trace, cost: planner.Cost, threshold_bytes: int = 0):
-    return planner.simulate(trace, planner.split_by_key(trace, [list(range(len(trace.nbytes)))]),
+    return planner.predict(trace, planner.split_by_key(trace, [list(range(len(trace.nbytes)))]),
                             cost, "single")
 
 

@@ -5,9 +5,9 @@ each event to one strategy object chosen at construction:
 
 - :class:`hvcomm.torch.methods.sync.Synchronous`: buckets averaged (dense or compressed) as soon as
   their gradients are final; its groupings come from the fusion threshold, explicit groups,
-  or a :class:`hvcomm.torch.methods.schedule.ScheduledPlans` (MG-WFBP and the baselines);
+  or a :class:`hvcomm.torch.methods.schedule.GroupingPlanner` (MG-WFBP and the baselines);
 - :class:`hvcomm.torch.methods.p3.P3`: priority slices, per-module deferred updates;
-- :class:`hvcomm.torch.methods.delayed.Delayed`: OD / SSD / CD-SGD around a Synchronous;
+- :class:`hvcomm.torch.methods.delayed.DelayedAveraging`: OD / SSD / CD-SGD around a Synchronous;
 - :class:`hvcomm.torch.methods.periodic.PeriodicAveraging`: local SGD and DiLoCo.
 
 Each strategy owns its state and its checkpoint entry (``state_dict()["hvcomm"]``).
@@ -33,7 +33,7 @@ class Strategy:
 
     comm_stats: CommStats
     steps: int
-    plans = None  # a ScheduledPlans where the grouping is planned (schedule=)
+    plans = None  # a GroupingPlanner where the grouping is planned (schedule=)
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  base_step: BaseStep):

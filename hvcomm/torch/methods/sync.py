@@ -1,7 +1,7 @@
 """Synchronous bucketed averaging: each bucket goes to the engine as soon as its gradients are
 final (in one fixed order on every rank), dense or compressed, and is waited for in
 ``synchronize()``. Its grouping comes from the fusion threshold, explicit groups, or a
-planner-driven source of plans (:class:`hvcomm.torch.methods.schedule.ScheduledPlans`)."""
+planner-driven source of plans (:class:`hvcomm.torch.methods.schedule.GroupingPlanner`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

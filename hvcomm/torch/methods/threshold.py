@@ -10,7 +10,7 @@ from .schedule import PlannedSchedule
 
 def plan_threshold(trace: planner.Trace, cost: planner.Cost, threshold_bytes: int):
     plan = BucketPlan.by_threshold(trace.nbytes, threshold_bytes, keys=trace.keys)
-    return planner.simulate(trace, plan, cost, "threshold")
+    return planner.predict(trace, plan, cost, "threshold")
 
 
 class Threshold(PlannedSchedule):

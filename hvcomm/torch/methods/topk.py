@@ -86,8 +86,8 @@ class TopKCompressor(Compressor):
     def residual(self, acc, payload):
         return zero_at(acc, payload.data.indices)
 
-    def problem(self, dtypes, size):
-        return float_problem(dtypes, repr(self))
+    def problem(self, request):
+        return float_problem(request.dtypes, repr(self))
 
     def __repr__(self):
         return (f"Compression.{self.name}(density={self.density}, selector={self.selector!r}, "

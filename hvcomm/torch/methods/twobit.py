@@ -9,7 +9,7 @@ import torch
 
 from collectives.errors import HvcommError
 
-from .base import CompressionMethod, Compressor, Payload, float_problem
+from .base import CompressionMethod, Compressor, Payload, Request, float_problem
 from .schedule import dense_schedule_s
 from .threshold import plan_threshold
 
@@ -33,10 +33,10 @@ class TwoBitCompressor(Compressor):
     def residual(self, acc, payload):
         return acc.sub_(payload.data.to(acc.dtype) * self.threshold)
 
-    def problem(self, dtypes, size):
-        if size > 127:
-            return f"{self!r} sums int8 codes: at most 127 ranks, got {size}"
-        return float_problem(dtypes, repr(self))
+    def problem(self, request):
+        if request.size > 127:
+            return f"{self!r} sums int8 codes: at most 127 ranks, got {request.size}"
+        return float_problem(request.dtypes, repr(self))
 
     def __repr__(self):
         return f"Compression.twobit(threshold={self.threshold})"
@@ -52,7 +52,7 @@ class TwoBit(CompressionMethod):
 
     def unmodelled(self, case):
         """Its codes are summed as int8: at most 127 workers."""
-        return TwoBitCompressor().problem((), case.workers)
+        return TwoBitCompressor().problem(Request(size=case.workers))
 
 
 METHOD = TwoBit("twobit", "2-bit codes (-1, 0, +1) summed as int8, error feedback",

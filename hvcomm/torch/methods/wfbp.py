@@ -10,7 +10,7 @@ from .schedule import PlannedSchedule
 
 def plan_wfbp(trace: planner.Trace, cost: planner.Cost, threshold_bytes: int = 0):
     plan = BucketPlan(tuple((i,) for i in range(len(trace.nbytes))))
-    return planner.simulate(trace, plan, cost, "wfbp")
+    return planner.predict(trace, plan, cost, "wfbp")
 
 
 class WFBP(PlannedSchedule):
