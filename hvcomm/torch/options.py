@@ -105,6 +105,8 @@ class Options:
         if is_native(self.compression):
             problem = self.compression.problem(request)
         if problem is None:
+            problem = _names_problem(self.named_parameters, optimizer)
+        if problem is None:
             problem = _schedule_problem(request)
         if problem is None:
             problem = _delay_problem(request)
@@ -144,7 +146,7 @@ def _local_problem(o: Options, optimizer) -> Optional[str]:
     if not isinstance(compression, Compressor) and not (
             hasattr(compression, "compress") and hasattr(compression, "decompress")):
         return "compression must provide compress() and decompress() (e.g. Compression.fp16)"
-    return _names_problem(o.named_parameters, optimizer)
+    return None
 
 
 def _names_problem(named, optimizer) -> Optional[str]:

@@ -272,7 +272,6 @@ class DelayMethod(Method):
 
     role = "delay"
     needs_compressor = False
-    averages_models = False  # True for the periodic methods (:mod:`periodic`)
 
     def is_reset(self, delayed_index: int, k: int) -> bool:
         return True

@@ -353,7 +353,6 @@ class PeriodicMethod(Method):
 
     role = "delay"
     settings = Periodic
-    averages_models = True
 
     def default_settings(self, **kw) -> Periodic:
         return self.settings(**kw)
