@@ -26,7 +26,7 @@ from hvcomm.cluster.launch import PORTABLE_KERNELS, kernels_in_use
 import report
 import train
 
-SCRIPT = Path(__file__).resolve().parent / "train.py"
+SCRIPT = Path(train.__file__).resolve()
 
 
 # Random-k diverges on this job at the learning rate every other method shares (lr 0.05,

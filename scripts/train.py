@@ -190,10 +190,10 @@ def main() -> None:
     methods = args.methods or [args.method]
     if args.methods and ckpt_dir is not None:
         ap.error("--checkpoint-dir resumes one method's run: give --method, not --methods")
-    if len({framework(m) for m in methods}) > 1:
-        ap.error(f"--methods {' '.join(methods)} mixes frameworks "
-                 f"({', '.join(sorted({framework(m) for m in methods}))}): run each "
-                 "framework's methods in their own process")
+    frameworks = sorted({framework(m) for m in methods})
+    if len(frameworks) > 1:
+        ap.error(f"--methods {' '.join(methods)} mixes frameworks ({', '.join(frameworks)}): "
+                 "run each framework's methods in their own process")
     fixed = [m for m in methods if METHODS[m][0].fixed_local_lr]
     if work.cosine and fixed:
         ap.error(f"{', '.join(fixed)} step(s) locally at a fixed learning rate ({LOCAL_LR}x the "
