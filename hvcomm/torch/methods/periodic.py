@@ -221,7 +221,7 @@ class PeriodicAveraging(Strategy):
                 continue
             sync = self._fragments[f].sync
             with timeline.measure("outer wait"):
-                sums = sync.collect(launched)
+                sums = list(sync.collect(launched))
             sync.steps += 1
             self.comm_stats.include(sync.comm_stats)
             names = sync.names

@@ -5,7 +5,7 @@ planner-driven source of plans (:class:`hvcomm.torch.methods.schedule.GroupingPl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,10 +84,12 @@ class Synchronous(Strategy):
         self._next_launch = 0
         return launched
 
-    def collect(self, launched: Launched) -> List[Tuple[int, torch.Tensor]]:
-        """Wait for ``launched``; (parameter position, its averaged gradient) for each one.
-        Sets ``comm_stats`` and ``comm_end``."""
-        stats, out, comm_end = CommStats(), [], 0.0
+    def collect(self, launched: Launched) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Wait for ``launched`` bucket by bucket, yielding (parameter position, its averaged
+        gradient) for each bucket's parameters as soon as that bucket is finished, so the
+        caller's use of them overlaps the later buckets' communication. Sets ``comm_stats``
+        and ``comm_end`` once exhausted."""
+        stats, comm_end = CommStats(), 0.0
         for bucket, job in launched:
             flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own
             comm_end = max(comm_end, job.handle.finished_at)
@@ -96,9 +98,8 @@ class Synchronous(Strategy):
                 flat.mul_(self.scale)
             for j, part in split(flat, bucket.numels):
                 i = bucket.indices[j]
-                out.append((i, part.view_as(self.params[i])))
+                yield i, part.view_as(self.params[i])
         self.comm_stats, self.comm_end = stats, comm_end
-        return out
 
     # -- Horovod's synchronize / step --------------------------------------------------------
     def synchronize(self) -> None:
