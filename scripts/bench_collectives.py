@@ -1,6 +1,6 @@
 """Dense MPI Allreduce vs Top-k AllGather vs gTopKAllReduce: measured time beside the
 alpha-beta prediction, each sparse collective's local compute beside its total, and the bytes
-each rank sends; and the dense sum in float16 (``hvcomm.torch.ops.sum_in_place``, as
+each rank sends; and the dense sum in float16 (``hvcomm.torch.sums.sum_in_place``, as
 hvcomm.torch's fp16 compression runs it: half the bytes) beside float32's and beside MPI's own
 float16 Allreduce (which hvcomm.torch does not use). The sparse
 collectives run with their default settings (input check on).
@@ -26,7 +26,7 @@ def worker(args) -> None:
     import collectives as C
     import torch
 
-    from hvcomm.torch.ops import sum_in_place
+    from hvcomm.torch.sums import sum_in_place
 
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()

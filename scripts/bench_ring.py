@@ -49,7 +49,7 @@ def worker(args) -> None:
 
     from collectives import icast_allreduce, kernels
     from collectives.ring import ring_allreduce
-    from hvcomm.torch.ops import add_torch
+    from hvcomm.torch.sums import add_torch
 
     comm = MPI.COMM_WORLD
     rows = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gather_ops as g
+from . import exchange_ops as g
 from .methods import Compression
 from .ops import (Average, Sum, _resolve_op, allreduce_async, synchronize)
 from .process_sets import comm_of, global_process_set, set_rank

@@ -5,7 +5,7 @@ from typing import Any, Iterable, Mapping, Tuple, Union
 
 import torch
 
-from .gather_ops import broadcast_async_, broadcast_object
+from .exchange_ops import broadcast_async_, broadcast_object
 from .ops import synchronize
 from .runtime import rank
 

@@ -4,18 +4,16 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from collectives.errors import HvcommError
-from collectives.ring import allreduce_sum
-from collectives.workspace import Workspace
 
 from .engine import Handle
 from .negotiation import join_loop, negotiate
 from .process_sets import comm_of, global_process_set
 from .runtime import runtime
+from .sums import adasum_, sum_in_place
 
 Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
 _MPI_OPS = {Average: MPI.SUM, Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
@@ -25,41 +23,8 @@ _next_handle = itertools.count(1)
 _names_in_flight: set = set()
 
 
-def as_bits(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view for collectives that only move data: bfloat16 as its raw 16 bits."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.detach().numpy()
-
-
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
-
-
-def add_torch(dst: np.ndarray, src: np.ndarray, ws: Workspace) -> None:
-    """The ring's in-place addition with torch's vectorised kernels: float16 and bfloat16
-    (uint16 bits) summed in float32 and rounded once, several times faster than NumPy's."""
-    if dst.dtype == np.uint16:  # (torch reads uint16 arrays from 2.3 on: through int16)
-        torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).add_(
-            torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
-    else:
-        torch.from_numpy(dst).add_(torch.from_numpy(src))
-
-
-_RING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def sum_in_place(comm: MPI.Comm, tensor: torch.Tensor) -> None:
-    """Sum a contiguous CPU tensor over the ranks in place. Floating-point tensors go over
-    :func:`collectives.ring.allreduce_sum` (hvcomm's pipelined ring for large tensors, Open
-    MPI's allreduce for small ones; float16 and bfloat16 on the wire as 16 bits, each addition
-    in float32); other dtypes over Open MPI's allreduce."""
-    if tensor.dtype in _RING_DTYPES:
-        brain = tensor.dtype == torch.bfloat16
-        buf = as_bits(tensor).view(np.uint16) if brain else tensor.detach().numpy()
-        allreduce_sum(comm, buf, bfloat16=brain, add=add_torch, check=False)
-    else:
-        comm.Allreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM)
 
 
 def check_name(kind: str, name: Optional[str]) -> Optional[str]:
@@ -157,25 +122,6 @@ def _reduce_in_place(comm: MPI.Comm, tensor: torch.Tensor, op: str) -> None:
     comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=_MPI_OPS[op])
     if wide:
         tensor.copy_(buf)
-
-
-def adasum_(comm: MPI.Comm, tensor: torch.Tensor) -> None:
-    """Horovod's adaptive summation, in place: pairs of ranks' tensors are combined as
-    a' = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, up a binary tree over the ranks (any P;
-    a rank without a partner goes up unchanged), computed in float64 on every rank alike."""
-    if not tensor.dtype.is_floating_point:
-        raise HvcommError(f"Adasum needs floating-point tensors, got {tensor.dtype}")
-    level = [torch.from_numpy(x) for x in comm.allgather(tensor.double().numpy())]
-    while len(level) > 1:
-        nxt = []
-        for i in range(0, len(level) - 1, 2):
-            a, b = level[i].reshape(-1), level[i + 1].reshape(-1)
-            dot, aa, bb = a @ b, a @ a, b @ b
-            ca = 1 - dot / (2 * aa) if aa > 0 else 1.0
-            cb = 1 - dot / (2 * bb) if bb > 0 else 1.0
-            nxt.append((ca * a + cb * b).reshape(level[i].shape))
-        level = nxt + level[len(level) - len(level) % 2:]
-    tensor.copy_(level[0])
 
 
 def _zeros_for(sig: tuple) -> torch.Tensor:

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from collectives import ring
 from collectives.errors import HvcommError
-from hvcomm.torch.ops import add_torch
+from hvcomm.torch.sums import add_torch
 
 KINDS = ("float32", "float64", "float16", "bfloat16")
 

@@ -56,7 +56,7 @@ from collectives.errors import HvcommError, ProcessFailure
 from .. import ending, fault
 from .. import runtime as _runtime
 from ..checkpoint import newest_in_all
-from ..gather_ops import allgather_object
+from ..exchange_ops import allgather_object
 from ..optimizer import rebuild_all
 from .sampler import ElasticSampler
 from .state import KEEP_COMMITS, HostsUpdatedInterrupt, ObjectState, State, saved_on_disk

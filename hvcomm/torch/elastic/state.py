@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from collectives.errors import HvcommError
 
 from .. import checkpoint
-from ..gather_ops import allgather_object
+from ..exchange_ops import allgather_object
 from ..runtime import mpi_comm, rank, size
 
 

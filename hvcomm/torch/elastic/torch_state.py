@@ -11,7 +11,7 @@ import torch
 from collectives.errors import HvcommError
 
 from ..functions import broadcast_optimizer_state, broadcast_parameters
-from ..gather_ops import broadcast_object
+from ..exchange_ops import broadcast_object
 from ..optimizer import PER_RANK_STATE
 from ..runtime import rank
 from .sampler import ElasticSampler

@@ -26,6 +26,8 @@ import torch
 
 from collectives.errors import HvcommError
 
+from ..sums import adasum_, sum_in_place
+
 
 # -- what a prediction reads -------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -113,7 +115,6 @@ class Allreduce(Collective):
     label = "allreduce"
 
     def run(self, comm, payload):
-        from ..ops import sum_in_place
         sum_in_place(comm, payload.data)
         return payload.data, ring_bytes(comm, payload.nbytes)
 
@@ -124,7 +125,6 @@ class Adasum(Collective):
     label = "adasum"
 
     def run(self, comm, payload):
-        from ..ops import adasum_
         adasum_(comm, payload.data)
         return payload.data, ring_bytes(comm, payload.data.nbytes)
 

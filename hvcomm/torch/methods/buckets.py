@@ -122,5 +122,5 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view of a contiguous CPU tensor (clear error for what NumPy cannot hold)."""
     if tensor.dtype == torch.bfloat16:
         raise HvcommError("bfloat16 tensors cannot be viewed by NumPy: sum them with "
-                          "hvcomm.torch.ops.sum_in_place, move them with ops.as_bits")
+                          "hvcomm.torch.sums.sum_in_place, move them with sums.as_bits")
     return tensor.detach().numpy()

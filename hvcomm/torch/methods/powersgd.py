@@ -35,6 +35,7 @@ import torch
 
 from collectives.errors import HvcommError
 
+from ..sums import sum_in_place
 from .base import (Collective, CompressionMethod, Compressor, Payload, float_problem,
                    ring_bytes)
 from .buckets import ONE_BUCKET_BYTES
@@ -105,7 +106,6 @@ class PowerIteration(Collective):
     label = "powersgd"
 
     def run(self, comm, payload):
-        from ..ops import sum_in_place
         mats = payload.matrices
         first = torch.cat([(x.M @ x.Q).reshape(-1) for x in mats] + [payload.data])
         sum_in_place(comm, first)

@@ -1,5 +1,7 @@
-"""Collectives that move data without reducing it (allgather, broadcast, alltoall), the
-reduce-scatter, the object collectives and the barrier, with Horovod's names and semantics."""
+"""Every collective but the dense allreduce family (:mod:`hvcomm.torch.ops`), with Horovod's
+names and semantics: those that exchange data without reducing it (allgather, broadcast,
+alltoall), the reduce-scatter, the sparse allreduce (an allgather of the pairs), the object
+collectives and the barrier."""
 from __future__ import annotations
 
 import functools
@@ -13,9 +15,10 @@ from collectives.errors import HvcommError
 
 from .negotiation import negotiate
 from .ops import (Average, Adasum, Sum, _group_handle, check_reducible, _group_names, _host_copy,
-                  _reduce_in_place, _resolve_op, as_bits, scale_, submit, synchronize)
+                  _reduce_in_place, _resolve_op, scale_, submit, synchronize)
 from .process_sets import comm_of, global_process_set, set_rank
 from .runtime import runtime
+from .sums import as_bits
 
 
 def _rows_sig(t: torch.Tensor) -> tuple:
