@@ -93,6 +93,13 @@ def link_cost(comm, elements: int) -> "tuple[float, float]":
     return alpha, max(big - tiny, 1e-12) / (2 * (p - 1) / p * full.nbytes)
 
 
+def replay_settings(args):
+    """The methods' settings, one object for the replay's optimizers and its predictions:
+    hvcomm's defaults, ``--density``, two warm-up steps for the delayed methods (the replay
+    times the steps after its own warm-up) and the race's trial steps."""
+    return simulate.Settings(density=args.density, warmup_steps=2, trial_steps=TRIAL_STEPS)
+
+
 def worker(args) -> None:
     import torch
     from mpi4py import MPI
@@ -111,8 +118,7 @@ def worker(args) -> None:
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
                                        named_parameters=model.named_parameters(),
                                        **methods.get(method).optimizer_options(
-                                           args.density, model, warmup_steps=2,
-                                           trial_steps=TRIAL_STEPS))
+                                           replay_settings(args), model))
         step = functools.partial(train_step, opt, model)
         races = getattr(methods.get(method), "race_against", ())
         for _ in range(args.warmup + (RACE_STEPS if races else 0)):
@@ -225,7 +231,7 @@ def replay(args, dilate: float, net: str, network: str, name: str) -> list:
                                       "measured: the replay's own allreduces (calibrated)")
             measured = res["rows"][method]
             pred = simulate.iteration(method, trace, simulate.Cluster.flat(p, fitted),
-                                      density=args.density, compute=simulate.COMPUTE["cpu"],
+                                      replay_settings(args), compute=simulate.COMPUTE["cpu"],
                                       local_s=local).iteration_s
             rows.append({"P": p, "method": method, "measured ms": round(measured * 1e3, 1),
                          "predicted ms": round(pred * 1e3, 1),

@@ -43,7 +43,8 @@ def cluster_of(gpus: int, intra: simulate.Network, net: simulate.Network) -> sim
 
 def efficiencies(trace: simulate.LayerTrace, cluster: simulate.Cluster,
                  density: float) -> Dict[str, float]:
-    row = {m: round(simulate.iteration(m, trace, cluster, density=density).efficiency, 3)
+    settings = simulate.Settings(density=density)
+    row = {m: round(simulate.iteration(m, trace, cluster, settings).efficiency, 3)
            for m in METHODS}
     row["gtopk / wfbp"] = round(row["gtopk"] / row["wfbp"], 1)
     row["gtopk / topk"] = round(row["gtopk"] / row["topk"], 2)

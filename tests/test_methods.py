@@ -33,7 +33,7 @@ def test_unknown_names_list_the_valid_ones():
 
 
 def test_the_delay_modes_old_names_are_refused_with_the_valid_ones():
-    from hvcomm.torch.methods.base import Request
+    from hvcomm.torch.methods.request import Request
     from hvcomm.torch.methods.delayed import Delay
     for old in ("od", "ssd", "cd"):
         problem = Delay(old).problem(Request())
@@ -58,11 +58,13 @@ TRAIN = """
 import math, sys, torch
 import hvcomm.torch as hvd
 from hvcomm.torch import methods
+from hvcomm.torch.methods.case import Settings
 hvd.init()
 for name in methods.names():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    options = methods.get(name).optimizer_options(0.1, model, warmup_steps=1, trial_steps=1)
+    settings = Settings(density=0.1, warmup_steps=1, trial_steps=1)
+    options = methods.get(name).optimizer_options(settings, model)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters(), **options)
     x, y = torch.randn(32, 6), torch.randn(32, 2)

@@ -25,10 +25,12 @@ ONE = trace((1000, 1e-3, 2e-3))
 TWO = trace((1000, 0.5e-3, 2e-3), (3000, 0.5e-3, 1e-3))
 
 
-def ms(method, t, p, **kw):
-    """Milliseconds at p hosts of one GPU on NET, or on a cluster given as p."""
+def ms(method, t, p, compute=None, local_s=None, **settings):
+    """Milliseconds at p hosts of one GPU on NET, or on a cluster given as p; ``settings``:
+    the methods' (S.Settings' fields)."""
     cluster = p if isinstance(p, S.Cluster) else S.Cluster.flat(p, NET)
-    return S.iteration(method, t, cluster, **kw).iteration_s * 1e3
+    return S.iteration(method, t, cluster, S.Settings(**settings), compute=compute,
+                       local_s=local_s).iteration_s * 1e3
 
 
 @pytest.mark.parametrize("method", S.METHODS)

@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     try:
         trace, gpu = load_trace(args, assumed, notes)
         cluster = build_cluster(args, gpu, assumed)
-        ranked, left_out = simulate.compare(trace, cluster, density=args.density,
-                                             period=args.period)
+        settings = simulate.Settings(density=args.density, period=args.period)
+        ranked, left_out = simulate.compare(trace, cluster, settings=settings)
     except HvcommError as e:
         print(f"advise: {e}", file=sys.stderr)
         return 2

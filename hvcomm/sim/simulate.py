@@ -32,7 +32,7 @@ from collectives.cost import AlphaBeta, hierarchical_allreduce_s
 from collectives.errors import HvcommError
 from hvcomm.cluster.netem import check_dilation
 from hvcomm.torch import methods
-from hvcomm.torch.methods.base import Case
+from hvcomm.torch.methods.case import Case, Settings
 
 from .. import planner
 
@@ -316,25 +316,17 @@ class Prediction:
         return self.compute_s / self.iteration_s
 
 
-def case(trace: LayerTrace, cluster: Cluster, density: float = 0.001,
-         compute: Optional[ComputeCost] = None, threshold_bytes: int = 25 << 20,
-         local_s: Optional[float] = None, slice_elems: int = 50_000, delay_k: int = 5,
-         period: int = 16) -> Case:
-    """What a method's ``predict`` reads. ``compute`` defaults to the costs of the trace's
-    device (:data:`COMPUTE`). ``density``: the sparse methods'; ``slice_elems``: P3's slice;
-    ``delay_k``: CD-SGD's full-precision period; ``period``: local SGD's and DiLoCo's
-    (hvcomm's defaults). ``local_s``: a measured
+def case(trace: LayerTrace, cluster: Cluster, settings: Optional[Settings] = None, *,
+         compute: Optional[ComputeCost] = None, local_s: Optional[float] = None) -> Case:
+    """What a method's ``predict`` reads. ``settings``: the methods' (:class:`Settings`;
+    default hvcomm's). ``compute`` defaults to the costs of the trace's device
+    (:data:`COMPUTE`). ``local_s``: a measured
     per-iteration cost beyond the trace on one worker (the method's selection and error
     feedback, the framework's hooks and update), e.g. a replay on a one-rank communicator
     minus the trace (scripts/replay.py runs P of them at once, sharing the cores as the P
     workers do); it then stands in for the modelled local cost, and is on the critical path."""
-    if not 0 < density <= 1:
-        raise HvcommError(f"density must be in (0, 1], got {density}")
-    if slice_elems < 1 or delay_k < 1 or period < 1:
-        raise HvcommError(f"slice_elems, delay_k and period must be >= 1, got {slice_elems}, "
-                          f"{delay_k}, {period}")
-    return Case(trace, cluster, compute or COMPUTE[trace.device], density, threshold_bytes,
-                slice_elems, delay_k, period=period, local_s=local_s)
+    return Case(trace, cluster, compute or COMPUTE[trace.device],
+                settings if settings is not None else Settings(), local_s=local_s)
 
 
 def unmodelled(method: str, c: Case) -> Optional[str]:
@@ -345,11 +337,12 @@ def unmodelled(method: str, c: Case) -> Optional[str]:
     return m.unmodelled(c) if c.workers > 1 else None
 
 
-def iteration(method: str, trace: LayerTrace, cluster: Cluster, **settings) -> Prediction:
+def iteration(method: str, trace: LayerTrace, cluster: Cluster,
+              settings: Optional[Settings] = None, **case_kw) -> Prediction:
     """Predicted iteration time of ``method`` on ``cluster`` (the method module's
-    ``predict``); ``settings``: :func:`case`'s. A method without a prediction there is refused
-    with the reason (:func:`unmodelled`)."""
-    c = case(trace, cluster, **settings)
+    ``predict``) with ``settings``; ``case_kw``: :func:`case`'s ``compute`` and ``local_s``. A
+    method without a prediction there is refused with the reason (:func:`unmodelled`)."""
+    c = case(trace, cluster, settings, **case_kw)
     why = unmodelled(method, c)
     if why:
         raise HvcommError(f"no prediction for {method!r} on {cluster.describe()}: {why}")
@@ -360,11 +353,12 @@ def iteration(method: str, trace: LayerTrace, cluster: Cluster, **settings) -> P
 
 
 def compare(trace: LayerTrace, cluster: Cluster, names: Sequence[str] = METHODS,
-            **settings) -> Tuple[List[Prediction], Dict[str, str]]:
-    """The predictions of the methods ``names``, fastest first, and why those left out have
-    none."""
-    c = case(trace, cluster, **settings)
+            settings: Optional[Settings] = None,
+            **case_kw) -> Tuple[List[Prediction], Dict[str, str]]:
+    """The predictions of the methods ``names`` with ``settings``, fastest first, and why
+    those left out have none."""
+    c = case(trace, cluster, settings, **case_kw)
     left_out = {name: why for name in names if (why := unmodelled(name, c))}
-    ranked = [iteration(name, trace, cluster, **settings) for name in names
+    ranked = [iteration(name, trace, cluster, settings, **case_kw) for name in names
               if name not in left_out]
     return sorted(ranked, key=lambda r: r.iteration_s), left_out

@@ -10,7 +10,7 @@ _EXPORTS = {
     ".autograd": ("allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
                   "grouped_allreduce", "grouped_reducescatter", "reducescatter"),
     ".methods": ("Compression",),
-    ".methods.base": ("Compressor",),
+    ".methods.compressor": ("Compressor",),
     ".methods.delayed": ("Delay",),
     ".methods.local_sgd": ("LocalSGD",),
     ".methods.diloco": ("DiLoCo",),

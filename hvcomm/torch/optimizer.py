@@ -15,7 +15,7 @@ from collectives.errors import HvcommError, raise_together
 
 from . import timeline
 from .methods import Compression
-from .methods.base import Compressor
+from .methods.compressor import Compressor
 from .ops import Average
 from .options import Options, agree_on_parameters, averaging_comm, make_strategy
 from .process_sets import ProcessSet, global_process_set

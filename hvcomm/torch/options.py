@@ -14,7 +14,8 @@ from mpi4py import MPI
 from collectives.errors import HvcommError
 
 from . import methods
-from .methods.base import Compressor, Request, is_native, sends_as_is
+from .methods.compressor import Compressor, is_native, sends_as_is
+from .methods.request import Request
 from .methods.buckets import ONE_BUCKET_BYTES
 from .methods.delayed import as_delay
 from .methods.strategy import BaseStep, Strategy
@@ -96,7 +97,7 @@ class Options:
     def problem(self, optimizer, size: int) -> Optional[str]:
         """This rank's first problem with the arguments, or None: the options' own rules,
         then each method's ``problem`` (the compressor's, the schedule's, the delay's) on one
-        :class:`hvcomm.torch.methods.base.Request`."""
+        :class:`hvcomm.torch.methods.request.Request`."""
         problem = _local_problem(self, optimizer)
         if problem is not None:
             return problem

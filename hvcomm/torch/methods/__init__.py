@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Compressor, Method
+from .base import Method
+from .compressor import Compressor
 from .registry import REGISTRY, add, get, names
 
 MODULES = (

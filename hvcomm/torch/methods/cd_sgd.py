@@ -5,7 +5,7 @@ with the correction as well delivered it in bursts that hurt (0.70 against 0.96 
 after 8 epochs of the digits job with 2-bit threshold 0.5)."""
 from __future__ import annotations
 
-from .base import Request
+from .request import Request
 from .delayed import DelayMethod, delayed_s
 from .twobit import TwoBitCompressor
 
@@ -18,15 +18,15 @@ class CDSGD(DelayMethod):
 
     def predict(self, case):
         """1-byte codes (2-bit quantisation summed as int8) on k-1 of every k steps."""
-        return delayed_s(case, coded_bytes_per_param=1, k=case.delay_k)
+        return delayed_s(case, coded_bytes_per_param=1, k=case.settings.delay_k)
 
     def unmodelled(self, case):
         """Its 2-bit codes are summed as int8: at most 127 workers."""
         return TwoBitCompressor().problem(Request(size=case.workers))
 
-    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
+    def optimizer_options(self, settings, model=None):
         """With CD-SGD's own compressor, 2-bit codes of threshold 0.5."""
-        return {**super().optimizer_options(density, model, warmup_steps, trial_steps),
+        return {**super().optimizer_options(settings, model),
                 "compression": TwoBitCompressor(0.5)}
 
 

@@ -29,7 +29,9 @@ import torch
 from collectives.errors import HvcommError
 
 from .. import timeline
-from .base import Method, Request, delay_problem, sends_as_is
+from .base import Method, delay_problem
+from .compressor import sends_as_is
+from .request import Request
 from .registry import REGISTRY, get, names
 from .strategy import Strategy, in_flight_error
 from .sync import Launched, Synchronous
@@ -304,5 +306,6 @@ class DelayMethod(Method):
     def predict(self, case):
         return delayed_s(case)
 
-    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
-        return {"delay": Delay(self.name, warmup_steps=warmup_steps)}
+    def optimizer_options(self, settings, model=None):
+        return {"delay": Delay(self.name, warmup_steps=settings.warmup_steps,
+                               k=settings.delay_k)}

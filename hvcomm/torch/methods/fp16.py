@@ -8,7 +8,11 @@ import dataclasses
 
 import torch
 
-from .base import Compressor, CompressionMethod, Payload
+from .base import CompressionMethod
+
+from .compressor import Compressor
+
+from .payload import Payload
 from .schedule import dense_schedule_s
 from .threshold import plan_threshold
 

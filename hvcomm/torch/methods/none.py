@@ -2,7 +2,11 @@
 rows are the schedules' (threshold, wfbp, single, merge_rule, mgwfbp)."""
 from __future__ import annotations
 
-from .base import Compressor, CompressionMethod, Payload
+from .base import CompressionMethod
+
+from .compressor import Compressor
+
+from .payload import Payload
 
 
 class NoneCompressor(Compressor):

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from .. import timeline
-from .base import ScheduleMethod, ring_bytes, sends_as_is
+from .base import ScheduleMethod
+from .compressor import sends_as_is
+from .payload import ring_bytes
 from .buckets import CommStats, as_numpy, flat_grad
 from .strategy import BaseStep, Strategy, in_flight_error
 
@@ -288,7 +290,7 @@ def p3_period_s(case, iterations: int = 5) -> float:
     does. The next iteration's forward of a layer waits only for that layer's slices and its
     share of the update. Each slice is one allreduce at the cluster's cost (hierarchical on
     nodes of several GPUs, where each slice pays the reduce and broadcast inside the node)."""
-    trace, slice_elems = case.trace, case.slice_elems
+    trace, slice_elems = case.trace, case.settings.slice_elems
     tensors = [(li, math.prod(shape)) for li, layer in enumerate(trace.layers)
                for shape in layer.tensors()]
     vector = len(tensors) * trace.bytes_per_param        # readiness, appended to each slice
@@ -363,9 +365,10 @@ class P3Schedule(ScheduleMethod):
     def predict(self, case):
         return p3_period_s(case) + case.local()
 
-    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
-        """With ``model``, each layer's next forward waits for its own slices only."""
-        return {"schedule": self.name, "model": model}
+    def optimizer_options(self, settings, model=None):
+        """The settings' slice; with ``model``, each layer's next forward waits for its own
+        slices only."""
+        return {"schedule": self.name, "model": model, "slice_elems": settings.slice_elems}
 
 
 METHOD = P3Schedule("p3", "P3: priority slices, the layer nearest the input first")

@@ -32,7 +32,8 @@ import torch
 from collectives.errors import HvcommError
 
 from .. import timeline
-from .base import Method, Request, delay_problem
+from .base import Method, delay_problem
+from .request import Request
 from .buckets import CommStats, plan_groups
 from .memory import ErrorFeedback
 from .registry import get
@@ -349,7 +350,7 @@ def periodic_s(case, settings: Periodic) -> float:
 class PeriodicMethod(Method):
     """A periodic method (``delay=<its settings>``): ``settings`` is its settings class, whose
     defaults the name alone selects. Its prediction is :func:`periodic_s` at those defaults
-    and ``case.period``."""
+    and ``case.settings.period``."""
 
     role = "delay"
     settings = Periodic
@@ -361,7 +362,8 @@ class PeriodicMethod(Method):
         return PeriodicAveraging(setup, setup.options.delay)
 
     def predict(self, case):
-        return periodic_s(case, self.default_settings(period=case.period))
+        return periodic_s(case, self.default_settings(period=case.settings.period))
 
-    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
-        return {"delay": self.default_settings(warmup_steps=warmup_steps)}
+    def optimizer_options(self, settings, model=None):
+        return {"delay": self.default_settings(period=settings.period,
+                                               warmup_steps=settings.warmup_steps)}

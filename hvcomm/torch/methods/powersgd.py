@@ -36,8 +36,9 @@ import torch
 from collectives.errors import HvcommError
 
 from ..sums import sum_in_place
-from .base import (Collective, CompressionMethod, Compressor, Payload, float_problem,
-                   ring_bytes)
+from .base import CompressionMethod
+from .compressor import Compressor, float_problem
+from .payload import Collective, Payload, ring_bytes
 from .buckets import ONE_BUCKET_BYTES
 
 
@@ -217,10 +218,10 @@ class PowerSGDCompressor(Compressor):
 class PowerSGD(CompressionMethod):
     def predict(self, case):
         """One bucket after backward (as :meth:`optimizer_options` runs it): an allreduce of
-        the P factors and the dense parts, then one of the Q factors, of rank ``case.rank``;
+        the P factors and the dense parts, then one of the Q factors, of the settings' rank r;
         the two products read each gradient r times (charged as r selection passes, an
         assumption)."""
-        trace, r = case.trace, case.rank
+        trace, r = case.trace, case.settings.rank
         p_elems = q_elems = 0
         for layer in trace.layers:
             for shape in layer.tensors():
@@ -232,9 +233,11 @@ class PowerSGD(CompressionMethod):
         return trace.compute_s + local + case.allreduce_s(p_elems * bpp) \
             + case.allreduce_s(q_elems * bpp)
 
-    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
-        """Rank 4, every gradient in one bucket after backward, as :meth:`predict` models."""
-        return {"compression": self.factory(), "fusion_threshold_bytes": ONE_BUCKET_BYTES}
+    def optimizer_options(self, settings, model=None):
+        """The settings' rank, every gradient in one bucket after backward, as
+        :meth:`predict` models."""
+        return {"compression": self.factory(rank=settings.rank),
+                "fusion_threshold_bytes": ONE_BUCKET_BYTES}
 
 
 METHOD = PowerSGD("powersgd", "rank-r factors by power iteration, two allreduces, error feedback",

@@ -10,8 +10,9 @@ import torch
 
 from collectives.errors import HvcommError
 
-from .base import (CompressionMethod, Compressor, Payload, check_density, check_scope,
-                   float_problem, zero_at)
+from .base import CompressionMethod
+from .compressor import Compressor, check_density, check_scope, float_problem, zero_at
+from .payload import Payload
 from .schedule import dense_schedule_s
 from .wfbp import plan_wfbp
 
@@ -69,8 +70,9 @@ class RandomK(CompressionMethod):
     def predict(self, case):
         """Each layer's k values allreduced as soon as its gradient is ready (scope "layer"):
         the WFBP pipeline with ``density`` of each layer's bytes."""
+        density = case.settings.density
         sent = dataclasses.replace(case.trace,
-                                   bytes_per_param=case.trace.bytes_per_param * case.density)
+                                   bytes_per_param=case.trace.bytes_per_param * density)
         return dense_schedule_s(dataclasses.replace(case, trace=sent), plan_wfbp)
 
 

@@ -6,7 +6,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .base import ADASUM, Compressor, Payload, is_native
+from .compressor import Compressor, is_native
+
+from .payload import ADASUM, Payload
 from .buckets import Bucket
 from .memory import ErrorFeedback
 

@@ -251,7 +251,8 @@ def allreduce_cost(case, probe_bytes: float = float(1 << 30)) -> planner.Cost:
 def dense_schedule_s(case, plan: Callable[..., planner.Prediction]) -> float:
     """Iteration time of dense buckets grouped by ``plan`` (a schedule's plan function), plus
     the local cost on the critical path."""
-    predicted = plan(case.trace.planner_trace(), allreduce_cost(case), case.threshold_bytes)
+    predicted = plan(case.trace.planner_trace(), allreduce_cost(case),
+                     case.settings.threshold_bytes)
     return predicted.iteration_s + case.local()
 
 
@@ -269,8 +270,10 @@ class PlannedSchedule(ScheduleMethod):
     def predict(self, case) -> float:
         return dense_schedule_s(case, self.plan)
 
-    def optimizer_options(self, density=0.001, model=None, warmup_steps=100, trial_steps=5):
-        return {"schedule": self.name, "trial_steps": trial_steps}
+    def optimizer_options(self, settings, model=None):
+        """The planner's threshold and the race's trial steps from ``settings``."""
+        return {"schedule": self.name, "trial_steps": settings.trial_steps,
+                "fusion_threshold_bytes": settings.threshold_bytes}
 
     def problem(self, request):
         o = request.options

@@ -11,7 +11,7 @@ import torch
 
 from .. import timeline
 from .buckets import Bucket, CommStats, flat_grad, make_buckets, plan_groups, set_grad, split
-from .base import Compressor
+from .compressor import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
 from .reducer import InFlight, Reducer

@@ -13,8 +13,9 @@ from collectives.cost import broadcast_s, reduce_s, topk_allgather_s
 from collectives.errors import HvcommError
 from collectives.plans import index_dtype
 
-from .base import (Collective, CompressionMethod, Compressor, Payload, check_density, check_scope,
-                   float_problem, zero_at)
+from .base import CompressionMethod
+from .compressor import Compressor, check_density, check_scope, float_problem, zero_at
+from .payload import Collective, Payload
 from .selection import SampledTopk, exact_topk
 
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # DGC's densities before the final one
