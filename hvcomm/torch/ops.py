@@ -1,26 +1,22 @@
-"""Tensor and object collectives with Horovod's names, run in order by the engine."""
+"""Handles (submit, poll, synchronize) and the allreduce family with Horovod's names, run in order
+by the engine; the other collectives are in :mod:`hvcomm.torch.exchange_ops`."""
 from __future__ import annotations
 
-import itertools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import torch
 from mpi4py import MPI
 
 from collectives.errors import HvcommError
 
-from .engine import Handle
 from .negotiation import join_loop, negotiate
 from .process_sets import comm_of, global_process_set
-from .runtime import runtime
+from .runtime import new_handle_id, runtime
 from .sums import adasum_, sum_in_place
 
 Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
 _MPI_OPS = {Average: MPI.SUM, Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 
-_handles: Dict[int, Tuple[Handle, Callable[[Any], Any], Optional[str]]] = {}
-_next_handle = itertools.count(1)
-_names_in_flight: set = set()
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -29,7 +25,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def check_name(kind: str, name: Optional[str]) -> Optional[str]:
     """Horovod's rule: no two operations in flight with the same name (a ValueError)."""
-    if name is not None and (kind, name) in _names_in_flight:
+    if name is not None and (kind, name) in runtime().names_in_flight:
         raise HvcommError(f"{kind}: an operation named {name!r} is still in flight; "
                           "synchronize it first or give this one another name")
     return name
@@ -42,14 +38,14 @@ def submit(kind: str, name: Optional[str], job: Callable[[MPI.Comm], Any],
     whose synchronize() gives ``finish(job's result)``. ``tensor``'s shape and dtype show in
     stall reports."""
     check_name(kind, name)
-    comm = comm_of(process_set)
-    hid = next(_next_handle)
+    comm, rt = comm_of(process_set), runtime()
+    hid = new_handle_id()
     span = f"{kind.upper()} {kind}.{name or 'noname'}"  # Horovod's timeline names
     detail = None if tensor is None else f"shape {list(tensor.shape)}, {tensor.dtype}"
-    _handles[hid] = (runtime().engine.submit(job, span, comm, detail), finish,
-                     None if name is None else (kind, name))
+    rt.handles[hid] = (rt.engine.submit(job, span, comm, detail), finish,
+                       None if name is None else (kind, name))
     if name is not None:
-        _names_in_flight.add((kind, name))
+        rt.names_in_flight.add((kind, name))
     return hid
 
 
@@ -61,17 +57,19 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int) -> Any:
     """Wait for ``handle`` and return its output tensor."""
     job, finish, name = _lookup(handle)
+    rt = runtime()
     if not job.done():
-        runtime().engine.check_can_wait("synchronize")
-    del _handles[handle]
-    _names_in_flight.discard(name)
+        rt.engine.check_can_wait("synchronize")
+    del rt.handles[handle]
+    rt.names_in_flight.discard(name)
     return finish(job.wait())
 
 
 def _lookup(handle: int):
-    if handle not in _handles:
+    handles = runtime().handles
+    if handle not in handles:
         raise ValueError(f"unknown or already synchronized handle {handle!r}")
-    return _handles[handle]
+    return handles[handle]
 
 
 def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
@@ -216,8 +214,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def _group_handle(handles: List[int], finish: Callable[[list], Any] = list) -> int:
     """One handle for several: synchronize() returns ``finish(list of their results)``."""
-    hid = next(_next_handle)
-    _handles[hid] = (_GroupWait(handles), finish, None)
+    hid = new_handle_id()
+    runtime().handles[hid] = (_GroupWait(handles), finish, None)
     return hid
 
 

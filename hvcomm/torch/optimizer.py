@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
@@ -19,9 +18,7 @@ from .methods.compressor import Compressor
 from .ops import Average
 from .options import Options, agree_on_parameters, averaging_comm, make_strategy
 from .process_sets import ProcessSet, global_process_set
-from .runtime import runtime
-
-_made: List["weakref.ref"] = []  # every DistributedOptimizer, in the order they were made
+from .runtime import optimizers, remember_optimizer, runtime
 
 
 def _base_step(opt: torch.optim.Optimizer, closure=None):
@@ -260,16 +257,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)
     opt._hvcomm_setup(options.resolved(rt.fusion_threshold_bytes))
-    _made.append(weakref.ref(opt))
+    remember_optimizer(opt)
     return opt
 
 
 def rebuild_all(keep_state: bool = False) -> None:
     """Every DistributedOptimizer still in use starts again on the current runtime, in the
     order they were made (the same on every rank); see ``_hvcomm_rebuild`` for ``keep_state``.
-    Called by :mod:`hvcomm.torch.elastic`. (A DistributedOptimizer lives while its parameters
-    do: their gradient hooks hold it.)"""
-    alive = [opt for opt in (ref() for ref in _made) if opt is not None]
-    _made[:] = [weakref.ref(opt) for opt in alive]
-    for opt in alive:
+    Called by :mod:`hvcomm.torch.elastic`."""
+    for opt in optimizers():
         opt._hvcomm_rebuild(keep_state)

@@ -1,14 +1,14 @@
 """Horovod's process sets on MPI sub-communicators: collectives among a subset of the ranks."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 from mpi4py import MPI
 
 from collectives.errors import HvcommError, check_agree
 
 from . import fault
-from .runtime import at_shutdown, runtime
+from .runtime import runtime
 
 
 class ProcessSet:
@@ -41,6 +41,11 @@ class ProcessSet:
                               "ranks")
         return self.comm
 
+    def forget(self) -> None:
+        """No longer registered (removed, or hvcomm shut down): its communicator is not
+        this set's any more."""
+        self.comm, self.process_set_id = None, None
+
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
@@ -56,7 +61,6 @@ class _GlobalProcessSet(ProcessSet):
 
 
 global_process_set = _GlobalProcessSet()
-_registered: Dict[int, ProcessSet] = {}
 
 
 def comm_of(process_set: Optional[ProcessSet]) -> MPI.Comm:
@@ -90,7 +94,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     elif not ps.ranks or len(set(ps.ranks)) != len(ps.ranks) \
             or not all(0 <= r < size for r in ps.ranks):
         problem = f"process set ranks must be distinct ranks in [0, {size}), got {ps.ranks}"
-    elif any(p.ranks == ps.ranks for p in _registered.values()):
+    elif any(p.ranks == ps.ranks for p in rt.process_sets.values()):
         problem = f"a process set with ranks {ps.ranks} is already registered"
 
     def job(comm):
@@ -100,25 +104,19 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         return None if sub == MPI.COMM_NULL else sub
 
     ps.comm = rt.engine.submit(job).wait()
-    ps.process_set_id = max(_registered, default=0) + 1
-    _registered[ps.process_set_id] = ps
+    ps.process_set_id = max(rt.process_sets, default=0) + 1
+    rt.process_sets[ps.process_set_id] = ps
     return ps
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (collective: every rank). False if it was not registered."""
-    if process_set is global_process_set or process_set.process_set_id not in _registered:
+    rt = runtime()
+    if process_set is global_process_set or process_set.process_set_id not in rt.process_sets:
         return False
-    runtime().engine.submit(lambda comm: comm.Barrier()).wait()
-    del _registered[process_set.process_set_id]
+    rt.engine.submit(lambda comm: comm.Barrier()).wait()
+    del rt.process_sets[process_set.process_set_id]
     if process_set.comm is not None:
         process_set.comm.Free()
-    process_set.comm, process_set.process_set_id = None, None
+    process_set.forget()
     return True
-
-
-@at_shutdown
-def _forget_all() -> None:
-    for ps in _registered.values():
-        ps.comm, ps.process_set_id = None, None
-    _registered.clear()

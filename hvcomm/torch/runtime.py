@@ -1,11 +1,26 @@
-"""Process-wide state of hvcomm.torch (the communicators), set by init(), cleared by shutdown()."""
+"""The state of hvcomm.torch in this process, in one place.
+
+:class:`Runtime` is what lives from :func:`init` to :func:`shutdown`: the communicators, the
+engine, the collectives in flight by handle and the registered process sets; shutdown()
+forgets all of it. Beside it, what outlives one runtime: the communicator the next init()
+starts on (:func:`world`, :func:`ran_on`) and every DistributedOptimizer (:func:`optimizers`),
+which :mod:`hvcomm.torch.elastic` rebuilds on the next runtime after a failure.
+
+Elsewhere, and why: :mod:`fault` tracks the communicators to revoke from the moment each is
+made (a failure during init(), before a Runtime exists, must revoke them) and counts failures
+across worlds; :mod:`preemption`'s flag is set by a signal handler at any time; :mod:`timeline`
+is the file each span is written to, from any thread; :mod:`collectives.workspace` is a cache
+of scratch buffers, not state.
+"""
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import sys
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Union
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Union
 
 from mpi4py import MPI
 
@@ -24,18 +39,35 @@ class Runtime:
     engine: Engine          # tensor collectives, on a second duplicate
     fusion_threshold_bytes: int  # default bucket cap of DistributedOptimizer
     world: MPI.Comm         # the communicator init() was given (elastic: shrinks it)
+    # handle -> (the engine's Handle, what synchronize() makes of its result, (kind, name))
+    handles: Dict[int, tuple] = field(default_factory=dict)
+    names_in_flight: Set[tuple] = field(default_factory=set)  # Horovod: one op per name
+    process_sets: Dict[int, Any] = field(default_factory=dict)  # id -> registered ProcessSet
 
 
 _runtime: Optional[Runtime] = None
 _world: Optional[MPI.Comm] = None  # init()'s default once a failure has shrunk COMM_WORLD
 _ran_on: Optional[MPI.Comm] = None  # the world of the latest init()
-_shutdown_hooks: List[Callable[[], None]] = []
+_handle_ids = itertools.count(1)   # never reused, so a stale handle is never another's
+_optimizers: List["weakref.ref"] = []  # every DistributedOptimizer, in the order made
 
 
-def at_shutdown(fn: Callable[[], None]) -> Callable[[], None]:
-    """Run ``fn`` when hvcomm shuts down (state tied to the communicators: process sets)."""
-    _shutdown_hooks.append(fn)
-    return fn
+def new_handle_id() -> int:
+    """A handle number no earlier collective of this process had."""
+    return next(_handle_ids)
+
+
+def remember_optimizer(optimizer) -> None:
+    """Keep (weakly) a DistributedOptimizer, for :func:`optimizers`."""
+    _optimizers.append(weakref.ref(optimizer))
+
+
+def optimizers() -> list:
+    """Every DistributedOptimizer still in use, in the order they were made (the same on
+    every rank). (One lives while its parameters do: their gradient hooks hold it.)"""
+    alive = [opt for opt in (ref() for ref in _optimizers) if opt is not None]
+    _optimizers[:] = [weakref.ref(opt) for opt in alive]
+    return alive
 
 
 def _horovod_initialized() -> bool:
@@ -147,8 +179,8 @@ def shutdown() -> None:
         watchdog.wait_for_departures(10.0)
         ending.abort_job("shut down with a collective that can never finish")
     watchdog.close()
-    for fn in _shutdown_hooks:
-        fn()
+    for process_set in rt.process_sets.values():
+        process_set.forget()
     timeline.stop_timeline()
     _runtime = None
     if usable:
