@@ -11,7 +11,9 @@ cost beyond the trace under the same sharing of the cores; then one mpirun of P 
 emulated host per rank with --net). Writes results/replay_<model>_<gpu>_<net>.md (and .json,
 which scripts/scale_sim.py reads for the simulator's error). The prediction uses alpha and beta
 calibrated on the same communicator in the same run, and those local costs. Each measurement
-is the slowest rank's mean over consecutive steps (a multiple of CD-SGD's period of 5).
+is the slowest rank's mean over consecutive steps: --steps, rounded up to a multiple of the
+method's cycle (Method.cycle: the delayed methods' k, the periodic methods' period), so that
+every kind of step counts in its proportion.
 With --dilate D the whole cluster runs D times slower: links at rate / D (and latency x D),
 every traced time x D. The network's share of a step stays what it was; the share of this
 machine's own CPU work (kernel TCP, reductions, copies, engine threads, which P emulated hosts
@@ -112,18 +114,19 @@ def worker(args) -> None:
     hvd.init(MPI.COMM_SELF if args.alone else comm)
     trace = simulate.LayerTrace.named(args.trace).dilated(args.dilate[0])
     alpha_s, beta_s_per_byte = (0.0, 0.0) if args.alone else link_cost(comm, trace.params)
-    rows = {}
+    rows, settings = {}, replay_settings(args)
     for method in args.methods:
         model = ReplayModel(trace, rank=comm.rank)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
                                        named_parameters=model.named_parameters(),
                                        **methods.get(method).optimizer_options(
-                                           replay_settings(args), model))
+                                           settings, model))
         step = functools.partial(train_step, opt, model)
         races = getattr(methods.get(method), "race_against", ())
         for _ in range(args.warmup + (RACE_STEPS if races else 0)):
             step()
-        rows[method] = mean_step_s(comm, step, args.steps)
+        cycle = methods.get(method).cycle(settings)
+        rows[method] = mean_step_s(comm, step, -(-args.steps // cycle) * cycle)
         if hasattr(opt, "finish_pending"):
             opt.finish_pending()
         del opt, model, step  # free this method's model before the next one's
@@ -316,8 +319,10 @@ def write(name, net, network, args, dilate, trace, rows, local_rows) -> Path:
         report.setting(network=network, trace=f"{args.trace}: {trace.source}",
                        steps=f"{args.warmup} untimed ({args.warmup + RACE_STEPS} for mgwfbp, "
                              f"whose race of plans takes {TRIAL_STEPS} timed steps each), then "
-                             f"the slowest rank's mean over {args.steps} consecutive steps; one "
-                             "mpirun per P and method",
+                             f"the slowest rank's mean over {args.steps} consecutive steps or the "
+                             "next multiple of the method's cycle (k = 5 for the delayed "
+                             "methods, the period, 16, for local SGD and DiLoCo); one mpirun "
+                             "per P and method",
                        density=str(args.density), prediction=PREDICTION),
         "Measured and predicted (alpha and bandwidth: the calibration of that mpirun):\n\n"
         + report.table(rows, HEADERS + ("alpha us", "Gbit/s") + UNDILATED * (dilate != 1))

@@ -40,6 +40,16 @@ def test_the_delay_modes_old_names_are_refused_with_the_valid_ones():
         assert problem and all(repr(n) in problem for n in methods.names("delay")), problem
 
 
+def test_the_replay_times_whole_cycles_of_each_method():
+    from hvcomm.torch.methods.case import Settings
+    settings = Settings(delay_k=3, period=7)
+    # the delayed methods reset or go full precision every k-th step, the periodic ones
+    # average every period-th; every other method's steps are alike
+    want = {"od-sgd": 3, "ssd-sgd": 3, "cd-sgd": 3, "local-sgd": 7, "diloco": 7}
+    for name in methods.names():
+        assert methods.get(name).cycle(settings) == want.get(name, 1), name
+
+
 def test_compression_has_every_compression_method():
     for name in methods.names("compression"):
         assert getattr(methods.Compression, name) is methods.get(name).factory

@@ -325,6 +325,8 @@ def case(trace: LayerTrace, cluster: Cluster, settings: Optional[Settings] = Non
     feedback, the framework's hooks and update), e.g. a replay on a one-rank communicator
     minus the trace (scripts/replay.py runs P of them at once, sharing the cores as the P
     workers do); it then stands in for the modelled local cost, and is on the critical path."""
+    if settings is not None and not isinstance(settings, Settings):
+        raise HvcommError(f"settings must be a simulate.Settings, got {settings!r}")
     return Case(trace, cluster, compute or COMPUTE[trace.device],
                 settings if settings is not None else Settings(), local_s=local_s)
 

@@ -18,7 +18,6 @@ Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Ma
 _MPI_OPS = {Average: MPI.SUM, Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 
 
-
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
 

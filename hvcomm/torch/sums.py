@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from collectives.errors import HvcommError
-from collectives.ring import allreduce_sum
 from collectives.workspace import Workspace
 
 
@@ -37,6 +36,7 @@ def sum_in_place(comm, tensor: torch.Tensor) -> None:
     :func:`collectives.ring.allreduce_sum` (hvcomm's pipelined ring for large tensors, Open
     MPI's allreduce for small ones; float16 and bfloat16 on the wire as 16 bits, each addition
     in float32); other dtypes over Open MPI's allreduce."""
+    from collectives.ring import allreduce_sum  # (loads numba: not at import)
     if tensor.dtype in _RING_DTYPES:
         brain = tensor.dtype == torch.bfloat16
         buf = as_bits(tensor).view(np.uint16) if brain else tensor.detach().numpy()

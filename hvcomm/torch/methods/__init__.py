@@ -3,7 +3,10 @@ the simulator, the advisor and the scripts read (:mod:`hvcomm.torch.methods.base
 module declares; :mod:`registry` holds them by name). A new method is one new module and its
 name in :data:`MODULES`.
 
-Beside them, the machinery the methods are built from: :mod:`strategy` and :mod:`sync`
+Beside them, what a method is written against: :mod:`request` (what ``problem`` judges),
+:mod:`compressor`, :mod:`payload` (what travels) and :mod:`case` (what a prediction reads,
+and the methods' settings); and the machinery the methods are built from: :mod:`strategy` and
+:mod:`sync`
 (bucketed synchronous averaging), :mod:`buckets`, :mod:`reducer` (one bucket's trip),
 :mod:`memory` (error feedback), :mod:`selection` (top-k selectors), :mod:`schedule` (profiling
 and planned groupings), :mod:`delayed` (the global weights of the delayed modes) and

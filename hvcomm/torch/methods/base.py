@@ -48,6 +48,12 @@ class Method:
         """Why this method has no prediction for ``case`` (None: it has one)."""
         return None
 
+    def cycle(self, settings: Settings) -> int:
+        """The steps after which this method's pattern of step times repeats with
+        ``settings`` (1: every step alike): a timing over a multiple of it sees each kind of
+        step in its proportion."""
+        return 1
+
     def optimizer_options(self, settings: Settings, model=None) -> dict:
         """``DistributedOptimizer``'s keyword arguments that run this method as the simulator
         models it with ``settings`` (the replay's); ``model`` for the methods that take it."""
@@ -65,13 +71,14 @@ class CompressionMethod(Method):
     scope = "model"         # a sparse method's scope, as its prediction models it
 
     def optimizer_options(self, settings, model=None):
-        """The compressor with its defaults; a sparse method's with the settings' density and
-        the ``scope`` its prediction models."""
+        """The compressor with its defaults, at the settings' fusion threshold; a sparse
+        method's with the settings' density and the ``scope`` its prediction models."""
         f = self.factory
         if isinstance(f, Compressor):
-            return {"compression": f}
-        return {"compression": f(settings.density, scope=self.scope) if self.takes_density
-                else f()}
+            compressor = f
+        else:
+            compressor = f(settings.density, scope=self.scope) if self.takes_density else f()
+        return {"compression": compressor, "fusion_threshold_bytes": settings.threshold_bytes}
 
 
 class ScheduleMethod(Method):

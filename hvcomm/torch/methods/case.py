@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 from collectives.errors import HvcommError
 
+from .compressor import check_density
+
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
@@ -17,16 +19,15 @@ class Settings:
     density: float = 0.001           # the sparse methods' share of the gradient sent
     threshold_bytes: int = 25 << 20  # the fusion threshold: DDP's 25 MiB buckets
     slice_elems: int = 50_000        # P3's slice
-    delay_k: int = 5                 # CD-SGD's period of full-precision steps
+    delay_k: int = 5                 # the delayed methods' k: CD-SGD's full-precision
+                                     # steps, SSD-SGD's resets, every k-th
     rank: int = 4                    # PowerSGD's rank
     period: int = 16                 # local SGD's and DiLoCo's steps between averages
     warmup_steps: int = 100          # the delayed methods' synchronous steps first
     trial_steps: int = 5             # the raced schedules' steps per candidate
 
     def __post_init__(self):
-        if isinstance(self.density, bool) or not isinstance(self.density, (int, float)) \
-                or not 0 < self.density <= 1:
-            raise HvcommError(f"density must be in (0, 1], got {self.density!r}")
+        check_density(self.density)
         counts = {"threshold_bytes": 0, "slice_elems": 1, "delay_k": 1, "rank": 1,
                   "period": 1, "warmup_steps": 0, "trial_steps": 1}
         for name, least in counts.items():

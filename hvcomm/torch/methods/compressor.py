@@ -93,7 +93,9 @@ def sends_as_is(compression: Any) -> bool:
 
 
 def check_density(density: float) -> float:
-    if not isinstance(density, (int, float)) or not 0 < density <= 1:
+    """``density`` as a float, or an HvcommError unless it is a number in (0, 1]."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) \
+            or not 0 < density <= 1:
         raise HvcommError(f"density must be in (0, 1], got {density!r}")
     return float(density)
 

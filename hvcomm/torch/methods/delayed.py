@@ -278,6 +278,10 @@ class DelayMethod(Method):
     def is_reset(self, delayed_index: int, k: int) -> bool:
         return True
 
+    def cycle(self, settings) -> int:
+        """Every k-th delayed step is a reset or a full-precision one."""
+        return settings.delay_k
+
     def is_full_precision(self, delayed_index: int, k: int) -> bool:
         return False
 

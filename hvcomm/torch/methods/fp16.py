@@ -9,9 +9,7 @@ import dataclasses
 import torch
 
 from .base import CompressionMethod
-
 from .compressor import Compressor
-
 from .payload import Payload
 from .schedule import dense_schedule_s
 from .threshold import plan_threshold

@@ -3,9 +3,7 @@ rows are the schedules' (threshold, wfbp, single, merge_rule, mgwfbp)."""
 from __future__ import annotations
 
 from .base import CompressionMethod
-
 from .compressor import Compressor
-
 from .payload import Payload
 
 

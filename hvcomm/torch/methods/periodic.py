@@ -358,6 +358,10 @@ class PeriodicMethod(Method):
     def default_settings(self, **kw) -> Periodic:
         return self.settings(**kw)
 
+    def cycle(self, settings) -> int:
+        """One step in every period averages the models."""
+        return settings.period
+
     def strategy(self, setup) -> PeriodicAveraging:
         return PeriodicAveraging(setup, setup.options.delay)
 

@@ -7,7 +7,6 @@ from typing import Any, Sequence
 import torch
 
 from .compressor import Compressor, is_native
-
 from .payload import ADASUM, Payload
 from .buckets import Bucket
 from .memory import ErrorFeedback

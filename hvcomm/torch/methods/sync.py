@@ -88,7 +88,8 @@ class Synchronous(Strategy):
         """Wait for ``launched`` bucket by bucket, yielding (parameter position, its averaged
         gradient) for each bucket's parameters as soon as that bucket is finished, so the
         caller's use of them overlaps the later buckets' communication. Sets ``comm_stats``
-        and ``comm_end`` once exhausted."""
+        and ``comm_end`` once exhausted. If a bucket's collective raises, the buckets before
+        it have been handed over and the rest not (a failure: elastic restores the state)."""
         stats, comm_end = CommStats(), 0.0
         for bucket, job in launched:
             flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own

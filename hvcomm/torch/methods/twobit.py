@@ -10,11 +10,8 @@ import torch
 from collectives.errors import HvcommError
 
 from .base import CompressionMethod
-
 from .compressor import Compressor, float_problem
-
 from .payload import Payload
-
 from .request import Request
 from .schedule import dense_schedule_s
 from .threshold import plan_threshold
