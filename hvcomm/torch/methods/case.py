@@ -2,7 +2,7 @@
 (:class:`Settings`): the simulator's cases, the advisor and the replay all take one."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from collectives.errors import HvcommError
@@ -50,7 +50,7 @@ class Case:
     trace: Any
     cluster: Any
     compute: Any
-    settings: Settings = field(default_factory=Settings)
+    settings: Settings
     local_s: Optional[float] = None
 
     @property
