@@ -13,7 +13,8 @@ which scripts/scale_sim.py reads for the simulator's error). The prediction uses
 calibrated on the same communicator in the same run, and those local costs. Each measurement
 is the slowest rank's mean over consecutive steps: --steps, rounded up to a multiple of the
 method's cycle (Method.cycle: the delayed methods' k, the periodic methods' period), so that
-every kind of step counts in its proportion.
+every kind of step counts in its proportion. Each row also gives the ranks' skew: from their
+timelines of the timed steps, how long they waited for one another at the collectives.
 With --dilate D the whole cluster runs D times slower: links at rate / D (and latency x D),
 every traced time x D. The network's share of a step stays what it was; the share of this
 machine's own CPU work (kernel TCP, reductions, copies, engine threads, which P emulated hosts
@@ -108,13 +109,14 @@ def worker(args) -> None:
 
     import hvcomm.torch as hvd
     from hvcomm.sim.replay import ReplayModel
+    from hvcomm.torch.timeline import arrival_skew_s, rank_path
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     hvd.init(MPI.COMM_SELF if args.alone else comm)
     trace = simulate.LayerTrace.named(args.trace).dilated(args.dilate[0])
     alpha_s, beta_s_per_byte = (0.0, 0.0) if args.alone else link_cost(comm, trace.params)
-    rows, settings = {}, replay_settings(args)
+    rows, skew, settings = {}, {}, replay_settings(args)
     for method in args.methods:
         model = ReplayModel(trace, rank=comm.rank)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
@@ -126,13 +128,23 @@ def worker(args) -> None:
         for _ in range(args.warmup + (RACE_STEPS if races else 0)):
             step()
         cycle = methods.get(method).cycle(settings)
-        rows[method] = mean_step_s(comm, step, -(-args.steps // cycle) * cycle)
+        steps = -(-args.steps // cycle) * cycle
+        timeline = None if args.alone else f"{args.out}.{method}.timeline.json"
+        if timeline:  # the timed steps' collectives, on every rank: how long ranks wait
+            hvd.start_timeline(timeline)
+        rows[method] = mean_step_s(comm, step, steps)
         if hasattr(opt, "finish_pending"):
             opt.finish_pending()
+        if timeline:
+            hvd.stop_timeline()
+            comm.Barrier()  # every rank's file is written
+            if comm.rank == 0:
+                skew[method] = arrival_skew_s(
+                    [rank_path(timeline, r) for r in range(comm.size)]) / steps
         del opt, model, step  # free this method's model before the next one's
     if comm.rank == 0:
         Path(args.out).write_text(json.dumps({
-            "ranks": comm.size, "rows": rows, "alpha_s": alpha_s,
+            "ranks": comm.size, "rows": rows, "skew_s": skew, "alpha_s": alpha_s,
             "beta_s_per_byte": beta_s_per_byte}))
 
 
@@ -242,6 +254,7 @@ def replay(args, dilate: float, net: str, network: str, name: str) -> list:
                          "within 15%": abs(pred / measured - 1) <= 0.15,
                          "alpha us": round(res["alpha_s"] * 1e6, 1),
                          "Gbit/s": round(fitted.bandwidth_bit_s / 1e9, 3),
+                         "skew ms": round(res["skew_s"][method] * 1e3, 1),
                          **(dict(zip(UNDILATED, (round(measured * 1e3 / dilate, 1),
                                                  round(pred * 1e3 / dilate, 1))))
                             if dilate != 1 else {})})
@@ -324,8 +337,12 @@ def write(name, net, network, args, dilate, trace, rows, local_rows) -> Path:
                              "methods, the period, 16, for local SGD and DiLoCo); one mpirun "
                              "per P and method",
                        density=str(args.density), prediction=PREDICTION),
-        "Measured and predicted (alpha and bandwidth: the calibration of that mpirun):\n\n"
-        + report.table(rows, HEADERS + ("alpha us", "Gbit/s") + UNDILATED * (dilate != 1))
+        "Measured and predicted (alpha and bandwidth: the calibration of that mpirun; skew: "
+        "per step, how long ranks waited for one another, the time from the first rank's "
+        "arrival at each collective to the last's, summed, from the ranks' timelines of the "
+        "timed steps):\n\n"
+        + report.table(rows, HEADERS + ("alpha us", "Gbit/s", "skew ms")
+                       + UNDILATED * (dilate != 1))
         + f"\n\nWithin 15% of the measurement: {within} of {len(rows)} rows. Plot: "
         f"`results/{name}.png`.\n"
         + ("\nThe papers' comparisons, from the rows above (the baseline's time over the "

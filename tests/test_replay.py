@@ -1,5 +1,6 @@
 """Replay mode: the traced model's shapes and times, and a short replay at P=2 through the real
 DistributedOptimizer (scripts/replay.py's worker)."""
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import report
 from hvcomm.sim import simulate
 from hvcomm.sim.models import layer_profile, measured_profile
 from hvcomm.sim.replay import ReplayModel
+from hvcomm.torch.timeline import arrival_skew_s
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = simulate.LayerTrace.load(simulate.TRACES / "resnet20-v100.json")
@@ -71,6 +73,23 @@ def test_replay_at_two_ranks(alone, dilate):
     assert all(t >= 0.99 * floor for t in res["rows"].values()), res
     # two ranks alone calibrate nothing (one-rank communicators); together they do
     assert (res["alpha_s"] > 0 and res["beta_s_per_byte"] > 0) != alone
+    # together, how long they waited for each other at the timed steps' collectives
+    assert set(res["skew_s"]) == (set() if alone else set(methods))
+    assert all(s >= 0 for s in res["skew_s"].values())
+
+
+def test_arrival_skew_sums_first_to_last_start_of_each_collective(tmp_path):
+    def span(name, ts, tid=2):
+        return {"name": name, "ph": "X", "ts": ts, "dur": 5, "pid": 0, "tid": tid}
+    files = {0: [span("a", 1000), span("a", 100), span("b", 500), span("a", 0, tid=1)],
+             1: [span("a", 130), span("b", 700), span("a", 990), span("c", 10)]}
+    paths = []
+    for rank, events in files.items():
+        paths.append(tmp_path / f"t{rank}.json")
+        paths[-1].write_text(json.dumps(events))
+    # the first "a" on each rank: 100, 130; the second: 1000, 990; "b": 500, 700; the main
+    # thread's span and "c" (on one rank only) do not count
+    assert arrival_skew_s(paths) == pytest.approx((30 + 10 + 200) / 1e6)
 
 
 def test_measured_profile_has_the_models_layers_and_times():

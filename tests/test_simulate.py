@@ -120,6 +120,17 @@ def test_fp16_twobit_and_randomk_send_fewer_bytes():
     assert ms("randomk", TWO, 2, density=0.1, compute=FREE) == pytest.approx(4.5232)
 
 
+def test_coded_buckets_are_grouped_by_the_gradients_bytes():
+    # the optimizer fills its buckets up to the threshold in the gradients' (float32) bytes,
+    # whatever travels: at 10,000 B, TWO's l1 (12,000 B, ready at 2 ms) and l0 (4,000 B, at
+    # 4 ms) are two buckets, though their codes would fit in one. At P=2, a bucket of M bytes
+    # takes 20 us + M * 8 ns after it is ready, then the 0.5 ms update.
+    # twobit: l1's 3,000 B end at 2.044 ms; l0's 1,000 B take 28 us from 4 ms
+    assert ms("twobit", TWO, 2, compute=FREE, threshold_bytes=10_000) == pytest.approx(4.528)
+    # fp16: 6,000 B end at 2.068 ms; 2,000 B take 36 us from 4 ms
+    assert ms("fp16", TWO, 2, threshold_bytes=10_000) == pytest.approx(4.536)
+
+
 def test_powersgd_sends_the_factors_in_two_allreduces():
     t = S.LayerTrace("t", (S.Layer("l0", 5100, 1e-3, 2e-3, ((100, 50), (100,))),), batch=8,
                      update_s=0.5e-3)

@@ -15,16 +15,22 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 _TIDS = {"main": 1, "comm": 2}
 
 
+def rank_path(path: str, rank: int) -> str:
+    """The file rank ``rank`` writes of a timeline started at ``path``."""
+    if rank == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext or '.json'}"
+
+
 class Timeline:
     def __init__(self, path: str, rank: int, size: int, mark_cycles: bool = False):
-        if rank > 0:
-            stem, ext = os.path.splitext(path)
-            path = f"{stem}.rank{rank}{ext or '.json'}"
+        path = rank_path(path, rank)
         self.path, self.rank, self.mark_cycles = path, rank, mark_cycles
         self._lock = threading.Lock()
         self._events: List[dict] = [
@@ -119,6 +125,27 @@ def measure(name: str, thread: str = "main", **args):
         return
     with tl.measure(name, thread, **args):
         yield
+
+
+def arrival_skew_s(paths: Sequence[str], thread: str = "comm") -> float:
+    """How long ranks waited for one another, from their timelines (one file per rank, their
+    clocks one machine's): for each span on ``thread`` (the engine's collectives), the time
+    from the first rank's start to the last's, summed over the spans. The n-th span of a name
+    on each rank is one collective; spans that are not on every rank are left out."""
+    starts = []  # per rank: span name -> start times (us)
+    for path in paths:
+        with open(path) as f:
+            events = json.load(f)
+        by_name: Dict[str, List[float]] = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("tid") == _TIDS[thread]:
+                by_name.setdefault(e["name"], []).append(e["ts"])
+        starts.append(by_name)
+    skew_us = 0.0
+    for name in set.intersection(*(set(s) for s in starts)) if starts else ():
+        for arrivals in zip(*(sorted(s[name]) for s in starts)):
+            skew_us += max(arrivals) - min(arrivals)
+    return skew_us / 1e6
 
 
 def merge(paths: Iterable[str], out: str) -> None:

@@ -4,8 +4,6 @@ whose range is far smaller). Each addition of the sum is formed in float32 and r
 16-bit type once (:mod:`collectives.ring`)."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .base import CompressionMethod
@@ -43,9 +41,8 @@ class FP16Compressor(SixteenBitCompressor):
 
 class FP16(CompressionMethod):
     def predict(self, case):
-        """The default fusion buckets (threshold) with 2 bytes per parameter."""
-        half = dataclasses.replace(case, trace=dataclasses.replace(case.trace, bytes_per_param=2))
-        return dense_schedule_s(half, plan_threshold)
+        """The default fusion buckets (threshold) with 2 bytes per parameter on the wire."""
+        return dense_schedule_s(case, plan_threshold, wire_bytes_per_param=2)
 
 
 METHOD = FP16("fp16", "float16 on the wire: half the bytes", factory=FP16Compressor())

@@ -248,11 +248,17 @@ def allreduce_cost(case, probe_bytes: float = float(1 << 30)) -> planner.Cost:
     return planner.Cost(a_s, (case.allreduce_s(probe_bytes) - a_s) / probe_bytes)
 
 
-def dense_schedule_s(case, plan: Callable[..., planner.Prediction]) -> float:
+def dense_schedule_s(case, plan: Callable[..., planner.Prediction],
+                     wire_bytes_per_param: Optional[float] = None) -> float:
     """Iteration time of dense buckets grouped by ``plan`` (a schedule's plan function), plus
-    the local cost on the critical path."""
-    predicted = plan(case.trace.planner_trace(), allreduce_cost(case),
-                     case.settings.threshold_bytes)
+    the local cost on the critical path. The buckets are grouped by the gradients' bytes, as
+    the optimizer's fusion threshold groups them; each is priced at ``wire_bytes_per_param``
+    per parameter where its encoding travels in fewer bytes (None: the gradients' own)."""
+    cost = allreduce_cost(case)
+    if wire_bytes_per_param is not None:
+        cost = planner.Cost(cost.a_s, cost.b_s_per_byte * wire_bytes_per_param
+                            / case.trace.bytes_per_param)
+    predicted = plan(case.trace.planner_trace(), cost, case.settings.threshold_bytes)
     return predicted.iteration_s + case.local()
 
 

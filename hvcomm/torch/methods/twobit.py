@@ -47,11 +47,11 @@ class TwoBitCompressor(Compressor):
 
 class TwoBit(CompressionMethod):
     def predict(self, case):
-        """The default fusion buckets with 1-byte codes, after one pass of quantisation."""
-        codes = dataclasses.replace(case.trace, bytes_per_param=1)
+        """The default fusion buckets with 1-byte codes on the wire, after one pass of
+        quantisation."""
         quantise = case.trace.params * case.compute.select_s_per_element
-        return dense_schedule_s(dataclasses.replace(case, trace=codes,
-                                                    local_s=case.local(quantise)), plan_threshold)
+        return dense_schedule_s(dataclasses.replace(case, local_s=case.local(quantise)),
+                                plan_threshold, wire_bytes_per_param=1)
 
     def unmodelled(self, case):
         """Its codes are summed as int8: at most 127 workers."""
