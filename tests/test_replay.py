@@ -82,13 +82,15 @@ def test_arrival_skew_sums_first_to_last_start_of_each_collective(tmp_path):
     def span(name, ts, tid=2):
         return {"name": name, "ph": "X", "ts": ts, "dur": 5, "pid": 0, "tid": tid}
     files = {0: [span("a", 1000), span("a", 100), span("b", 500), span("a", 0, tid=1)],
-             1: [span("a", 130), span("b", 700), span("a", 990), span("c", 10)]}
+             1: [span("a", 130), span("b", 700), span("a", 990), span("c", 10),
+                 span("a", 20)]}
     paths = []
     for rank, events in files.items():
         paths.append(tmp_path / f"t{rank}.json")
         paths[-1].write_text(json.dumps(events))
-    # the first "a" on each rank: 100, 130; the second: 1000, 990; "b": 500, 700; the main
-    # thread's span and "c" (on one rank only) do not count
+    # matched from the last: "a" 1000 and 990, then 100 and 130 (rank 1's first "a", at 20,
+    # has no partner: it began before rank 0's timeline); "b": 500, 700; the main thread's
+    # span and "c" (on one rank only) do not count
     assert arrival_skew_s(paths) == pytest.approx((30 + 10 + 200) / 1e6)
 
 

@@ -130,8 +130,10 @@ def measure(name: str, thread: str = "main", **args):
 def arrival_skew_s(paths: Sequence[str], thread: str = "comm") -> float:
     """How long ranks waited for one another, from their timelines (one file per rank, their
     clocks one machine's): for each span on ``thread`` (the engine's collectives), the time
-    from the first rank's start to the last's, summed over the spans. The n-th span of a name
-    on each rank is one collective; spans that are not on every rank are left out."""
+    from the first rank's start to the last's, summed over the spans. The n-th last span of a
+    name on each rank is one collective: the timelines end with nothing in flight, but may
+    begin with a collective that one rank recorded and another had started before its
+    timeline did. Spans that are not on every rank are left out."""
     starts = []  # per rank: span name -> start times (us)
     for path in paths:
         with open(path) as f:
@@ -143,7 +145,7 @@ def arrival_skew_s(paths: Sequence[str], thread: str = "comm") -> float:
         starts.append(by_name)
     skew_us = 0.0
     for name in set.intersection(*(set(s) for s in starts)) if starts else ():
-        for arrivals in zip(*(sorted(s[name]) for s in starts)):
+        for arrivals in zip(*(sorted(s[name], reverse=True) for s in starts)):
             skew_us += max(arrivals) - min(arrivals)
     return skew_us / 1e6
 
