@@ -145,8 +145,21 @@ def test_the_simulators_error_counts_dilated_replays_apart(tmp_path, monkeypatch
 
     (tmp_path / "replay_a.json").write_text(json.dumps(recorded(1, [0.9, 0.6])))
     (tmp_path / "replay_a_dilated10.json").write_text(json.dumps(recorded(10, [1.0, 0.96])))
+    (tmp_path / "replay_a_dilated10.md").write_text("- date: 2026-11-26 10:00 UTC\n")
+    # a later replay of P = 4 (by its date, though its name sorts first) supersedes that row;
+    # one at a smaller dilation, later still, does not
+    for name, dilate, ratio, date in (("0", 10, 0.5, "12:00"), ("b", 4, 0.7, "13:00")):
+        later = recorded(dilate, [ratio])
+        later["rows"][0]["P"] = 4
+        (tmp_path / f"replay_{name}_dilated{dilate}.json").write_text(json.dumps(later))
+        (tmp_path / f"replay_{name}_dilated{dilate}.md").write_text(
+            f"- date: 2026-11-26 {date} UTC\n")
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     text = scale_sim.replay_error()
     assert ("undilated, 1 of 2 rows within 15%, median ratio 0.75, range 0.60-0.90; "
-            "time-dilated, 2 of 2 rows within 15%, median ratio 0.98, range 0.96-1.00.") in text
+            "time-dilated, 2 of 4 rows within 15%, median ratio 0.83, range 0.50-1.00.") in text
     assert "resnet20-v100, 1gbit, dilated 10x" in text
+    per_p = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in text.splitlines() if line.startswith("|   ") and line.count("|") == 6}
+    assert per_p["2"] == ["2", "1", "1", "1", ""]
+    assert per_p["4"] == ["4", "1", "0", "0.5", "wfbp 0.50 (resnet20-v100, 1gbit, D=10)"]
