@@ -2,7 +2,6 @@
 are summed by a plain allreduce of k elements."""
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import numpy as np
@@ -70,10 +69,8 @@ class RandomK(CompressionMethod):
     def predict(self, case):
         """Each layer's k values allreduced as soon as its gradient is ready (scope "layer"):
         the WFBP pipeline with ``density`` of each layer's bytes."""
-        density = case.settings.density
-        sent = dataclasses.replace(case.trace,
-                                   bytes_per_param=case.trace.bytes_per_param * density)
-        return dense_schedule_s(dataclasses.replace(case, trace=sent), plan_wfbp)
+        return dense_schedule_s(case, plan_wfbp, wire_bytes_per_param=case.trace.bytes_per_param
+                                * case.settings.density)
 
 
 METHOD = RandomK("randomk", "k random values per tensor, the same indices on every rank",
