@@ -16,7 +16,7 @@ from . import timeline
 from .methods import Compression
 from .methods.compressor import Compressor
 from .ops import Average
-from .options import Options, agree_on_parameters, averaging_comm, make_strategy
+from .options import Options, agree_on_parameters, averaging_comm, make_strategy, trainable
 from .process_sets import ProcessSet, global_process_set
 from .runtime import optimizers, remember_optimizer, runtime
 
@@ -39,7 +39,7 @@ class _DistributedMixin:
             named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(self.param_groups)
                      for j, p in enumerate(g["params"])]
         name_of = {p: n for n, p in named}
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        params = trainable(self)
         names = [name_of[p] for p in params]
         agree_on_parameters(averaging_comm(o), [(n, tuple(p.shape), str(p.dtype))
                                              for n, p in zip(names, params)]

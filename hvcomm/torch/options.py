@@ -101,8 +101,7 @@ class Options:
         problem = _local_problem(self, optimizer)
         if problem is not None:
             return problem
-        request = Request(self, [p for g in optimizer.param_groups for p in g["params"]
-                                 if p.requires_grad], size)
+        request = Request(self, trainable(optimizer), size)
         if is_native(self.compression):
             problem = self.compression.problem(request)
         if problem is None:
@@ -188,6 +187,12 @@ def _delay_problem(request: Request) -> Optional[str]:
     except HvcommError as e:
         return str(e)
     return None if delay is None else delay.problem(request)
+
+
+def trainable(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The parameters the distributed optimizer averages: its groups' ones with
+    requires_grad, in order."""
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
 
 def averaging_comm(o: Options) -> MPI.Comm:
