@@ -2,6 +2,7 @@
 flattening their gradients into one buffer, and splitting a buffer back per parameter."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -85,29 +86,56 @@ def plan_groups(params: Sequence[torch.nn.Parameter], groups, threshold_bytes: i
     return [list(b) for b in plan.buckets]
 
 
-def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0) -> torch.Tensor:
+def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0,
+              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """A private flat CPU copy of the parameters' gradients (zeros for a parameter with no
     gradient on this rank, e.g. an unused branch; sparse gradients made dense), divided by
-    ``predivide``."""
+    ``predivide``, in ``dtype`` (default: their common dtype). Each gradient is copied into
+    its place, cast on the way: one pass, where ``torch.cat`` and a cast took two."""
     grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grad = p.grad.detach()
         grads.append((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
-    flat = torch.cat(grads).cpu()
+    common = functools.reduce(torch.promote_types, [g.dtype for g in grads])
+    if predivide != 1.0 and dtype not in (None, common):  # divide before rounding to dtype
+        return flat_grad(params, predivide).to(dtype)
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype or common)
+    for (_, part), grad in zip(split(flat, [g.numel() for g in grads]), grads):
+        part.copy_(grad)
     if predivide != 1.0:
         flat.div_(predivide)
     return flat
 
 
-def set_grad(p: torch.nn.Parameter, averaged: torch.Tensor) -> None:
-    """Put the averaged gradient into ``p.grad``, in place, or sparse again where the
-    gradient was sparse (an Embedding(sparse=True): SparseAdam and friends expect that)."""
+def set_grad(p: torch.nn.Parameter, total: torch.Tensor, scale: float = 1.0) -> None:
+    """``p.grad = total * scale`` in place, in ``p.grad``'s dtype (``total``: a flat sum of
+    ``p.numel()`` elements in any floating dtype, which this may overwrite; a cast is done in
+    the same pass as the copy), or sparse again where the gradient was sparse (an
+    Embedding(sparse=True): SparseAdam and friends expect that). The product is formed in the
+    wider of the two dtypes, as :func:`in_dtype` forms it."""
+    total = total.view(p.shape)
     if p.grad.is_sparse:
-        p.grad = averaged.to_sparse()
+        p.grad = in_dtype(total, p.dtype, scale).to_sparse()
+    elif scale == 1.0:
+        p.grad.copy_(total)
+    elif total.dtype == p.grad.dtype:
+        torch.mul(total, scale, out=p.grad)
+    elif torch.promote_types(total.dtype, p.grad.dtype) == total.dtype:
+        p.grad.copy_(total.mul_(scale))
     else:
-        p.grad.copy_(averaged)
+        p.grad.copy_(total)
+        p.grad.mul_(scale)
+
+
+def in_dtype(total: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``total * scale`` in ``dtype``, the product formed in the wider of the two dtypes:
+    ``total`` itself (scaled in place) where it has ``dtype``, else a new tensor."""
+    if scale != 1.0 and torch.promote_types(total.dtype, dtype) == total.dtype:
+        total, scale = total.mul_(scale), 1.0
+    out = total if total.dtype == dtype else total.to(dtype)
+    return out.mul_(scale) if scale != 1.0 else out
 
 
 def split(flat: torch.Tensor, numels: Sequence[int]) -> Iterator[Tuple[int, torch.Tensor]]:

@@ -36,8 +36,15 @@ class Compressor:
         raise NotImplementedError
 
     def decode(self, result: Any, payload: Payload) -> torch.Tensor:
-        """The dense sum, in a tensor the caller owns (the optimizer scales it in place)."""
+        """The dense sum, in a tensor the caller owns (the optimizer scales it in place), in
+        the dtype of the tensor ``encode`` was given."""
         raise NotImplementedError
+
+    def gather_dtype(self, params: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
+        """The dtype the optimizer gathers these parameters' gradients in for ``encode``
+        (None: their own). A compressor whose ``encode`` begins by casting names the cast's
+        dtype here, and the gathering casts in the same pass."""
+        return None
 
     def residual(self, acc: torch.Tensor, payload: Payload) -> torch.Tensor:
         """What of ``acc`` the payload does not carry (before communication, as in GRACE's

@@ -28,6 +28,14 @@ class SixteenBitCompressor(Compressor):
     def decode(self, result, payload):
         return result if result.dtype == payload.dtype else result.to(payload.dtype)
 
+    def gather_dtype(self, params):
+        """``wire`` for float32 and float64 gradients: the optimizer casts them as it gathers
+        them, and ``encode`` sends what it gets (the sum is cast back as it is written into
+        the gradients)."""
+        if all(p.dtype in (torch.float32, torch.float64) for p in params):
+            return self.wire
+        return None
+
     def __repr__(self):
         return f"Compression.{self.name}"
 

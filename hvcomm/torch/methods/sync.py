@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .. import timeline
-from .buckets import Bucket, CommStats, flat_grad, make_buckets, plan_groups, set_grad, split
+from .buckets import (Bucket, CommStats, flat_grad, in_dtype, make_buckets, plan_groups,
+                      set_grad, split)
 from .compressor import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
@@ -69,8 +70,9 @@ class Synchronous(Strategy):
 
     def _launch(self, bucket: Bucket) -> None:
         with timeline.measure("compress+launch", bucket=bucket.key[:80]):
-            flat = flat_grad([self.params[i] for i in bucket.indices], self.predivide)
             reducer = self._dense_reducer if self.dense_at(self.steps) else self._reducer
+            params = [self.params[i] for i in bucket.indices]
+            flat = flat_grad(params, self.predivide, reducer.compressor.gather_dtype(params))
             bucket.pending = reducer.start(bucket, flat, self.steps)
 
     def take_launched(self) -> Launched:
@@ -84,30 +86,36 @@ class Synchronous(Strategy):
         self._next_launch = 0
         return launched
 
-    def collect(self, launched: Launched) -> Iterator[Tuple[int, torch.Tensor]]:
+    def collect(self, launched: Launched, into_grads: bool = False
+                ) -> Iterator[Tuple[int, torch.Tensor]]:
         """Wait for ``launched`` bucket by bucket, yielding (parameter position, its averaged
-        gradient) for each bucket's parameters as soon as that bucket is finished, so the
-        caller's use of them overlaps the later buckets' communication. Sets ``comm_stats``
-        and ``comm_end`` once exhausted. If a bucket's collective raises, the buckets before
-        it have been handed over and the rest not (a failure: elastic restores the state)."""
+        gradient in the parameter's dtype and shape) for each bucket's parameters as soon as
+        that bucket is finished, so the caller's use of them overlaps the later buckets'
+        communication. ``into_grads``: each average is written into its parameter's
+        ``.grad`` (:func:`set_grad`), which is what is yielded. Sets ``comm_stats`` and
+        ``comm_end`` once exhausted. If a bucket's collective raises, the buckets before it
+        have been handed over and the rest not (a failure: elastic restores the state)."""
         stats, comm_end = CommStats(), 0.0
         for bucket, job in launched:
             flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own
             comm_end = max(comm_end, job.handle.finished_at)
             stats.add(sent, payload_bytes)
-            if self.scale != 1.0:
-                flat.mul_(self.scale)
-            for j, part in split(flat, bucket.numels):
+            for j, total in split(flat, bucket.numels):
                 i = bucket.indices[j]
-                yield i, part.view_as(self.params[i])
+                p = self.params[i]
+                if into_grads:
+                    set_grad(p, total, self.scale)
+                    yield i, p.grad
+                else:
+                    yield i, in_dtype(total, p.dtype, self.scale).view(p.shape)
         self.comm_stats, self.comm_end = stats, comm_end
 
     # -- Horovod's synchronize / step --------------------------------------------------------
     def synchronize(self) -> None:
         launched = self.take_launched()
         with timeline.measure("wait"):
-            for i, g in self.collect(launched):
-                set_grad(self.params[i], g)
+            for _ in self.collect(launched, into_grads=True):
+                pass
         self.steps += 1
 
     def update(self, closure=None):

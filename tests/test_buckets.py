@@ -1,0 +1,71 @@
+"""Gathering a bucket's gradients (cast on the way to the wire's dtype) and writing the averaged
+sums back (cast and scaled): each result against the plain two-step computation, bit for bit."""
+import pytest
+import torch
+
+from hvcomm.torch.methods.buckets import flat_grad, in_dtype, set_grad
+
+
+def _params(*dtypes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for n, dtype in enumerate(dtypes):
+        p = torch.nn.Parameter(torch.zeros(3, n + 2, dtype=dtype))
+        p.grad = (torch.randn(3, n + 2, generator=gen, dtype=torch.float64) * 1e3).to(dtype)
+        params.append(p)
+    return params
+
+
+@pytest.mark.parametrize("wire", [None, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("predivide", [1.0, 3.0])
+def test_flat_grad_casts_as_cat_then_cast(wire, predivide):
+    params = _params(torch.float32, torch.float32, torch.float32)
+    want = torch.cat([p.grad.reshape(-1) for p in params]) / predivide
+    want = want if wire is None else want.to(wire)
+    got = flat_grad(params, predivide, wire)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)
+
+
+def test_flat_grad_promotes_mixed_dtypes_and_fills_missing_and_sparse_gradients():
+    params = _params(torch.float32, torch.float64, torch.float32)
+    params[2].grad = None
+    sparse = torch.nn.Parameter(torch.zeros(4, 2))
+    sparse.grad = torch.sparse_coo_tensor([[1, 3]], torch.tensor([[1.5, 2.0], [-1.0, 4.0]]),
+                                          (4, 2), check_invariants=True)
+    got = flat_grad(params + [sparse])
+    want = torch.cat([params[0].grad.double().reshape(-1), params[1].grad.reshape(-1),
+                      torch.zeros(params[2].numel(), dtype=torch.float64),
+                      torch.tensor([0, 0, 1.5, 2.0, 0, 0, -1.0, 4.0], dtype=torch.float64)])
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    assert torch.equal(params[2].grad, torch.zeros_like(params[2]))
+
+
+@pytest.mark.parametrize("total_dtype,grad_dtype", [
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float32), (torch.float64, torch.float32),
+    (torch.float16, torch.float16)])
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_set_grad_and_in_dtype_scale_in_the_wider_dtype(total_dtype, grad_dtype, scale):
+    p = _params(grad_dtype)[0]
+    gen = torch.Generator().manual_seed(1)
+    total = (torch.randn(p.numel(), generator=gen, dtype=torch.float64) * 50).to(total_dtype)
+    wide = total_dtype if torch.promote_types(total_dtype, grad_dtype) == total_dtype \
+        else grad_dtype
+    want = (total.to(wide) * scale).to(grad_dtype).view(p.shape)
+
+    got = in_dtype(total.clone(), grad_dtype, scale)
+    assert got.dtype == grad_dtype and torch.equal(got.view(p.shape), want)
+
+    grad = p.grad
+    set_grad(p, total.clone(), scale)
+    assert p.grad is grad and torch.equal(p.grad, want)  # in place
+
+
+def test_set_grad_keeps_a_sparse_gradient_sparse():
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    p.grad = torch.sparse_coo_tensor([[0]], torch.ones(1, 2), (4, 2), check_invariants=True)
+    total = torch.arange(8, dtype=torch.float16)
+    set_grad(p, total, 0.5)
+    assert p.grad.is_sparse
+    assert torch.equal(p.grad.to_dense(), (total.float() * 0.5).view(4, 2))
