@@ -91,14 +91,22 @@ class LowRankSum:
     qs: List[torch.Tensor]
     dense: torch.Tensor
     size: int
-    _products: Optional[List[torch.Tensor]] = None
+    _flat: Optional[torch.Tensor] = None
 
-    def products(self) -> List[torch.Tensor]:
-        """Each matrix's P Q^T (the sum's approximation), formed once for the residual and
-        the decoded gradient."""
-        if self._products is None:
-            self._products = [p @ q.T for p, q in zip(self.ps, self.qs)]
-        return self._products
+    def flat(self, payload: LowRankPayload) -> torch.Tensor:
+        """The sum's approximation as a flat gradient: each matrix's P Q^T in its place, the
+        dense parts' sum in theirs. Formed once, for the residual (:meth:`settle
+        <PowerSGDCompressor.settle>` reads it first) and as the decoded sum."""
+        if self._flat is None:
+            out = torch.empty(payload.numel, dtype=payload.dtype)  # every element written
+            for x, p, q in zip(payload.matrices, self.ps, self.qs):
+                torch.matmul(p, q.T, out=out[x.offset:x.offset + x.n * x.m].view(x.n, x.m))
+            at = 0
+            for offset, numel in payload.dense:
+                out[offset:offset + numel] = self.dense[at:at + numel]
+                at += numel
+            self._flat = out
+        return self._flat
 
 
 class PowerIteration(Collective):
@@ -174,14 +182,7 @@ class PowerSGDCompressor(Compressor):
         return LowRankPayload(values, flat.numel(), flat.dtype, matrices=matrices, dense=dense)
 
     def decode(self, result, payload):
-        out = torch.empty(payload.numel, dtype=payload.dtype)  # every element written below
-        for x, pq in zip(payload.matrices, result.products()):
-            out[x.offset:x.offset + x.n * x.m] = pq.reshape(-1)
-        at = 0
-        for offset, numel in payload.dense:
-            out[offset:offset + numel] = result.dense[at:at + numel]
-            at += numel
-        return out
+        return result.flat(payload)
 
     def residual(self, acc, payload):
         """Nothing until :meth:`settle`: the dense parts travel exactly, and what the
@@ -190,10 +191,10 @@ class PowerSGDCompressor(Compressor):
         return torch.zeros_like(acc)
 
     def settle(self, residual, payload, result):
-        flat = residual.view(-1)
-        for x, q, pq in zip(payload.matrices, result.qs, result.products()):
-            kept = torch.div(pq, result.size)
-            flat[x.offset:x.offset + x.n * x.m] += torch.sub(x.M, kept, out=kept).reshape(-1)
+        flat, approx = residual.view(-1), result.flat(payload)
+        for x, q in zip(payload.matrices, result.qs):
+            part = slice(x.offset, x.offset + x.n * x.m)
+            flat[part].add_(x.M.reshape(-1)).sub_(approx[part], alpha=1 / result.size)
             zero = bool((q.norm(dim=0) == 0).any())  # the same on every rank: q is a sum
             self._q[x.name] = self._first_q(x.name, x.m, q.shape[1], q.dtype) if zero \
                 else q.clone()
