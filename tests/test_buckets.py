@@ -1,5 +1,6 @@
-"""Gathering a bucket's gradients (cast on the way to the wire's dtype) and writing the averaged
-sums back (cast and scaled): each result against the plain two-step computation, bit for bit."""
+"""Gathering a bucket's gradients (the residual added and the cast to the wire's dtype done on
+the way) and writing the averaged sums back (cast and scaled): each result against the plain
+step-by-step computation, bit for bit."""
 import pytest
 import torch
 
@@ -18,11 +19,15 @@ def _params(*dtypes, seed=0):
 
 @pytest.mark.parametrize("wire", [None, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("predivide", [1.0, 3.0])
-def test_flat_grad_casts_as_cat_then_cast(wire, predivide):
+@pytest.mark.parametrize("residual", [False, True])
+def test_flat_grad_is_cat_divide_add_then_cast(wire, predivide, residual):
     params = _params(torch.float32, torch.float32, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    plus = torch.randn(sum(p.numel() for p in params), generator=gen) if residual else None
     want = torch.cat([p.grad.reshape(-1) for p in params]) / predivide
+    want = want + plus if residual else want
     want = want if wire is None else want.to(wire)
-    got = flat_grad(params, predivide, wire)
+    got = flat_grad(params, predivide, wire, plus=None if plus is None else plus.clone())
     assert got.dtype == want.dtype
     assert torch.equal(got, want)
 

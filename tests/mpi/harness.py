@@ -1,6 +1,6 @@
-"""Shared by the MPI tests: the size check, expect_everywhere, assert_none_anywhere, and
-``Checks`` (the one-verdict runner of the scripts that are programs, not pytest suites:
-check_netem.py, check_reproducible.py, train_resumable.py; the pytest suites agree through
+"""Shared by the MPI tests: the size check, expect_everywhere, assert_none_anywhere,
+with_grads, and ``Checks`` (the one-verdict runner of the scripts that are programs, not pytest
+suites: check_netem.py, check_reproducible.py, train_resumable.py; the pytest suites agree through
 conftest.py)."""
 from __future__ import annotations
 
@@ -84,3 +84,14 @@ class Checks:
         sys.stdout.flush()
         if bad:
             sys.exit(1)
+
+
+def with_grads(*grads):
+    """Parameters whose ``.grad`` are ``grads`` (what a Reducer gathers for a bucket)."""
+    import torch  # (only here: the torch-free checks import this module too)
+    params = []
+    for grad in grads:
+        p = torch.nn.Parameter(torch.zeros_like(grad))
+        p.grad = grad
+        params.append(p)
+    return params

@@ -17,7 +17,7 @@ from hvcomm.torch.methods.memory import ErrorFeedback
 from hvcomm.torch.methods.reducer import Reducer
 from hvcomm.torch.runtime import runtime
 
-from harness import default_dtype, expect_everywhere
+from harness import default_dtype, expect_everywhere, with_grads
 
 RANK = 2
 # w1, conv: rank-2 factors; b1: a vector; small: 2*(2+2) >= 4, sent dense; late: zero at first
@@ -166,9 +166,8 @@ def test_delayed_order_sends_each_gradient_once():
     for step in range(steps + 1):
         nxt = None
         if step < steps:
-            flat = torch.cat([torch.from_numpy(gradient(hvd.rank(), step, n)).reshape(-1)
-                              for n in names])
-            nxt = red.start(bucket, flat, step)
+            nxt = red.start(bucket, with_grads(*[torch.from_numpy(gradient(hvd.rank(), step, n))
+                                                 for n in names]), step)
         if job is not None:
             got.append(red.finish(job)[0] / size)
         job = nxt

@@ -17,7 +17,7 @@ from hvcomm.torch.methods.reducer import Reducer
 from hvcomm.torch.runtime import runtime
 
 import references as ref
-from harness import assert_none_anywhere, default_dtype, expect_everywhere
+from harness import assert_none_anywhere, default_dtype, expect_everywhere, with_grads
 from training import (QUADRATIC_SGD, Net, assert_close, assert_same_everywhere,
                       build_quadratic, make_opt, mismatches, train_distributed, train_steps)
 
@@ -145,7 +145,7 @@ def test_conservation(comp, steps=4):
         g = torch.Generator().manual_seed(1000 * step + r)
         flat = torch.randn(997, generator=g)
         acc_before = flat + memory.state_dict().get("b", torch.zeros(997))
-        job = red.start(bucket, flat.clone(), step)
+        job = red.start(bucket, with_grads(flat.clone()), step)
         if torch.is_tensor(job.payload.data):  # summed in place by now: compress again
             own, _ = comp.compress(acc_before.clone(), step, "b")  # (deterministic)
         else:
@@ -177,7 +177,7 @@ def test_randomk_unbiased():
     bucket = Bucket([0], ["b"], [n])
     for step in range(3):
         g = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + hvd.rank()))
-        job = red.start(bucket, g.clone(), step)
+        job = red.start(bucket, with_grads(g.clone()), step)
         dense, _, _ = red.finish(job)
         idx = job.payload.indices
         want = torch.zeros(n)

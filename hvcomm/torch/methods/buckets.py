@@ -86,24 +86,38 @@ def plan_groups(params: Sequence[torch.nn.Parameter], groups, threshold_bytes: i
     return [list(b) for b in plan.buckets]
 
 
+def common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype a flat copy of ``tensors`` takes: the widest of theirs (torch.cat's)."""
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+
+
 def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0,
-              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+              dtype: Optional[torch.dtype] = None,
+              plus: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A private flat CPU copy of the parameters' gradients (zeros for a parameter with no
     gradient on this rank, e.g. an unused branch; sparse gradients made dense), divided by
-    ``predivide``, in ``dtype`` (default: their common dtype). Each gradient is copied into
-    its place, cast on the way: one pass, where ``torch.cat`` and a cast took two."""
+    ``predivide``, plus ``plus`` (a flat tensor of as many elements: the error-feedback
+    residual), in ``dtype`` (default: their common dtype). Each gradient is copied into its
+    place, cast or added on the way: one pass, where ``torch.cat`` and a cast or an addition
+    took two."""
     grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grad = p.grad.detach()
         grads.append((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
-    common = functools.reduce(torch.promote_types, [g.dtype for g in grads])
-    if predivide != 1.0 and dtype not in (None, common):  # divide before rounding to dtype
-        return flat_grad(params, predivide).to(dtype)
-    flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype or common)
-    for (_, part), grad in zip(split(flat, [g.numel() for g in grads]), grads):
-        part.copy_(grad)
+    common = common_dtype(params)
+    if predivide != 1.0 and (dtype not in (None, common) or plus is not None):
+        flat = flat_grad(params, predivide)  # divide first, then add or round to dtype
+        return (flat.add_(plus) if plus is not None else flat).to(dtype or common)
+    flat, offset = torch.empty(sum(g.numel() for g in grads), dtype=dtype or common), 0
+    for grad in grads:
+        at = slice(offset, offset + grad.numel())
+        if plus is None:
+            flat[at].copy_(grad)
+        else:
+            torch.add(grad, plus[at], out=flat[at])
+        offset = at.stop
     if predivide != 1.0:
         flat.div_(predivide)
     return flat

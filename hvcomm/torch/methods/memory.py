@@ -2,7 +2,7 @@
 the grouping, so replanning the buckets and checkpoints lose nothing."""
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -11,7 +11,7 @@ from .buckets import split
 
 class ErrorFeedback:
     """Residuals by parameter name. A bucket reads and writes them as one flat buffer
-    (``compensate``, ``store``, ``flat``); each parameter's residual is a view into the
+    (``kept``, ``store``, ``flat``); each parameter's residual is a view into the
     buffer its bucket last stored, so the usual step copies nothing."""
 
     def __init__(self):
@@ -19,12 +19,13 @@ class ErrorFeedback:
         self._flats: Dict[Tuple[str, ...], torch.Tensor] = {}  # bucket -> the buffer it stored
         self._owner: Dict[str, Tuple[str, ...]] = {}            # parameter -> that bucket
 
-    def compensate(self, names: Sequence[str], numels: Sequence[int],
-                   grad: torch.Tensor) -> torch.Tensor:
-        """grad + residual (grad is the optimizer's own flat copy: updated in place)."""
+    def kept(self, names: Sequence[str], numels: Sequence[int],
+             dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The bucket's flat residual, to be added to its next gradient; None where none of
+        its parameters has one."""
         if any(n in self._by_name for n in names):
-            grad.add_(self.flat(names, numels, grad.dtype))
-        return grad
+            return self.flat(names, numels, dtype)
+        return None
 
     def store(self, names: Sequence[str], numels: Sequence[int], residual: torch.Tensor) -> None:
         """Keep ``residual`` (the flat residual of a bucket of these parameters)."""

@@ -1,4 +1,5 @@
-"""One bucket's trip: compensate -> compress -> keep the residual -> communicate -> decompress."""
+"""One bucket's trip: gather and compensate -> compress -> keep the residual -> communicate ->
+decompress."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ import torch
 
 from .compressor import Compressor, is_native
 from .payload import ADASUM, Payload
-from .buckets import Bucket
+from .buckets import Bucket, common_dtype, flat_grad
 from .memory import ErrorFeedback
 
 
@@ -55,9 +56,15 @@ class Reducer:
         self.comm = comm  # None: the engine's (every rank); else a process set's
         self.collective = ADASUM if adasum else compressor.collective
 
-    def start(self, bucket: Bucket, flat: torch.Tensor, step: int) -> InFlight:
+    def start(self, bucket: Bucket, params: Sequence[torch.nn.Parameter], step: int,
+              predivide: float = 1.0) -> InFlight:
+        """Gather the bucket's gradients (``params``, divided by ``predivide``) into one flat
+        tensor, with this rank's residual added where the compressor keeps one, encode it and
+        hand its collective to the engine."""
         comp, names, numels = self.compressor, bucket.names, bucket.numels
-        acc = self.memory.compensate(names, numels, flat) if comp.error_feedback else flat
+        kept = self.memory.kept(names, numels, common_dtype(params)) if comp.error_feedback \
+            else None
+        acc = flat_grad(params, predivide, comp.gather_dtype(params), plus=kept)
         payload = comp.encode(acc, step, bucket.key, bucket.shapes, bucket.names)
         if comp.error_feedback:
             self.memory.store(names, numels, comp.residual(acc, payload))

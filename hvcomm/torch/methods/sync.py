@@ -10,8 +10,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .. import timeline
-from .buckets import (Bucket, CommStats, flat_grad, in_dtype, make_buckets, plan_groups,
-                      set_grad, split)
+from .buckets import Bucket, CommStats, in_dtype, make_buckets, plan_groups, set_grad, split
 from .compressor import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
@@ -71,9 +70,8 @@ class Synchronous(Strategy):
     def _launch(self, bucket: Bucket) -> None:
         with timeline.measure("compress+launch", bucket=bucket.key[:80]):
             reducer = self._dense_reducer if self.dense_at(self.steps) else self._reducer
-            params = [self.params[i] for i in bucket.indices]
-            flat = flat_grad(params, self.predivide, reducer.compressor.gather_dtype(params))
-            bucket.pending = reducer.start(bucket, flat, self.steps)
+            bucket.pending = reducer.start(bucket, [self.params[i] for i in bucket.indices],
+                                           self.steps, self.predivide)
 
     def take_launched(self) -> Launched:
         """Launch, in order, what the hooks did not (unused parameters: zeros) and hand over
