@@ -4,7 +4,8 @@ step-by-step computation, bit for bit."""
 import pytest
 import torch
 
-from hvcomm.torch.methods.buckets import flat_grad, in_dtype, set_grad
+from hvcomm.torch.methods import Compression
+from hvcomm.torch.methods.buckets import flat_grad, scaled_in, set_grad, split
 
 
 def _params(*dtypes, seed=0):
@@ -27,7 +28,7 @@ def test_flat_grad_is_cat_divide_add_then_cast(wire, predivide, residual):
     want = torch.cat([p.grad.reshape(-1) for p in params]) / predivide
     want = want + plus if residual else want
     want = want if wire is None else want.to(wire)
-    got = flat_grad(params, predivide, wire, plus=None if plus is None else plus.clone())
+    got = flat_grad(params, predivide, wire, None if plus is None else plus.clone())
     assert got.dtype == want.dtype
     assert torch.equal(got, want)
 
@@ -51,7 +52,7 @@ def test_flat_grad_promotes_mixed_dtypes_and_fills_missing_and_sparse_gradients(
     (torch.float32, torch.float32), (torch.float64, torch.float32),
     (torch.float16, torch.float16)])
 @pytest.mark.parametrize("scale", [1.0, 1 / 3])
-def test_set_grad_and_in_dtype_scale_in_the_wider_dtype(total_dtype, grad_dtype, scale):
+def test_set_grad_and_scaled_in_scale_in_the_wider_dtype(total_dtype, grad_dtype, scale):
     p = _params(grad_dtype)[0]
     gen = torch.Generator().manual_seed(1)
     total = (torch.randn(p.numel(), generator=gen, dtype=torch.float64) * 50).to(total_dtype)
@@ -59,7 +60,7 @@ def test_set_grad_and_in_dtype_scale_in_the_wider_dtype(total_dtype, grad_dtype,
         else grad_dtype
     want = (total.to(wide) * scale).to(grad_dtype).view(p.shape)
 
-    got = in_dtype(total.clone(), grad_dtype, scale)
+    got = scaled_in(total.clone(), grad_dtype, scale)
     assert got.dtype == grad_dtype and torch.equal(got.view(p.shape), want)
 
     grad = p.grad
@@ -74,3 +75,39 @@ def test_set_grad_keeps_a_sparse_gradient_sparse():
     set_grad(p, total, 0.5)
     assert p.grad.is_sparse
     assert torch.equal(p.grad.to_dense(), (total.float() * 0.5).view(4, 2))
+
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+
+@pytest.mark.parametrize("dtypes", [(F32, F32), (F64, F64), (F32, F64), (F16, F32), (BF16, F32),
+                                    (F16, F16)])
+@pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_a_bucket_trip_equals_the_step_by_step_one(dtypes, compression, scale):
+    """Gather, encode, decode (one rank: the sum is the payload) and write back, against:
+    concatenate in the common dtype, cast float32/float64 to the wire's dtype, cast back,
+    scale in the common dtype, round into each gradient's dtype."""
+    params = _params(*dtypes)
+    comp = getattr(Compression, compression)
+    common = torch.cat([p.grad.reshape(-1) for p in params])
+    wire = {"none": common.dtype, "fp16": F16, "bf16": BF16}[compression]
+    sent = common.to(wire) if common.dtype in (F32, F64) else common
+    back = sent.to(common.dtype) * scale
+    want = [part.view(p.shape).to(p.dtype)
+            for (_, part), p in zip(split(back, [p.numel() for p in params]), params)]
+
+    flat = flat_grad(params, 1.0, comp.gather_dtype(params))
+    payload = comp.encode(flat)
+    total = comp.decode(payload.data, payload)
+    for (j, part), p in zip(split(total, [p.numel() for p in params]), params):
+        set_grad(p, part, scale)
+        assert p.grad.dtype == p.dtype and torch.equal(p.grad, want[j]), (j, p.dtype)
+
+
+def test_set_grad_writes_into_a_gradient_that_requires_grad():
+    """As after backward(create_graph=True)."""
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    p.grad = torch.ones(2, 3).requires_grad_()
+    set_grad(p, torch.arange(6.0), 0.5)
+    assert torch.equal(p.grad.detach(), torch.arange(6.0).view(2, 3) * 0.5)

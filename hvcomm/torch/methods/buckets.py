@@ -93,13 +93,13 @@ def common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
 
 def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0,
               dtype: Optional[torch.dtype] = None,
-              plus: Optional[torch.Tensor] = None) -> torch.Tensor:
+              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A private flat CPU copy of the parameters' gradients (zeros for a parameter with no
     gradient on this rank, e.g. an unused branch; sparse gradients made dense), divided by
-    ``predivide``, plus ``plus`` (a flat tensor of as many elements: the error-feedback
-    residual), in ``dtype`` (default: their common dtype). Each gradient is copied into its
-    place, cast or added on the way: one pass, where ``torch.cat`` and a cast or an addition
-    took two."""
+    ``predivide``, plus ``residual`` (the error-feedback residual: a flat tensor of as many
+    elements), in ``dtype`` (default: their common dtype), with one rounding to ``dtype``.
+    Where ``predivide`` is 1 each gradient is copied into its place, added to the residual or
+    cast on the way: one pass, where ``torch.cat`` and an addition or a cast took two."""
     grads = []
     for p in params:
         if p.grad is None:
@@ -107,16 +107,17 @@ def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0,
         grad = p.grad.detach()
         grads.append((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
     common = common_dtype(params)
-    if predivide != 1.0 and (dtype not in (None, common) or plus is not None):
-        flat = flat_grad(params, predivide)  # divide first, then add or round to dtype
-        return (flat.add_(plus) if plus is not None else flat).to(dtype or common)
-    flat, offset = torch.empty(sum(g.numel() for g in grads), dtype=dtype or common), 0
+    dtype = dtype or common
+    if predivide != 1.0 and (dtype != common or residual is not None):
+        flat = torch.cat(grads).div_(predivide)  # divide, add, then round to dtype
+        return (flat.add_(residual) if residual is not None else flat).to(dtype)
+    flat, offset = torch.empty(sum(g.numel() for g in grads), dtype=dtype), 0
     for grad in grads:
         at = slice(offset, offset + grad.numel())
-        if plus is None:
+        if residual is None:
             flat[at].copy_(grad)
         else:
-            torch.add(grad, plus[at], out=flat[at])
+            torch.add(grad, residual[at], out=flat[at])
         offset = at.stop
     if predivide != 1.0:
         flat.div_(predivide)
@@ -124,31 +125,33 @@ def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0,
 
 
 def set_grad(p: torch.nn.Parameter, total: torch.Tensor, scale: float = 1.0) -> None:
-    """``p.grad = total * scale`` in place, in ``p.grad``'s dtype (``total``: a flat sum of
-    ``p.numel()`` elements in any floating dtype, which this may overwrite; a cast is done in
-    the same pass as the copy), or sparse again where the gradient was sparse (an
-    Embedding(sparse=True): SparseAdam and friends expect that). The product is formed in the
-    wider of the two dtypes, as :func:`in_dtype` forms it."""
+    """``p.grad = total * scale`` (:func:`scaled_in` ``p.grad``'s dtype, written into it in
+    place), or sparse again where the gradient was sparse (an Embedding(sparse=True):
+    SparseAdam and friends expect that). ``total``: a flat sum of ``p.numel()`` elements in
+    any floating dtype, which this may overwrite."""
     total = total.view(p.shape)
-    if p.grad.is_sparse:
-        p.grad = in_dtype(total, p.dtype, scale).to_sparse()
-    elif scale == 1.0:
-        p.grad.copy_(total)
-    elif total.dtype == p.grad.dtype:
-        torch.mul(total, scale, out=p.grad)
-    elif torch.promote_types(total.dtype, p.grad.dtype) == total.dtype:
-        p.grad.copy_(total.mul_(scale))
-    else:
-        p.grad.copy_(total)
-        p.grad.mul_(scale)
+    with torch.no_grad():  # (a gradient made with create_graph=True requires grad)
+        if p.grad.is_sparse:
+            p.grad = scaled_in(total, p.dtype, scale).to_sparse()
+        else:
+            scaled_in(total, p.grad.dtype, scale, out=p.grad)
 
 
-def in_dtype(total: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """``total * scale`` in ``dtype``, the product formed in the wider of the two dtypes:
-    ``total`` itself (scaled in place) where it has ``dtype``, else a new tensor."""
+def scaled_in(total: torch.Tensor, dtype: torch.dtype, scale: float = 1.0,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``total * scale`` in ``dtype``, the product formed in the wider of ``total``'s dtype
+    and ``dtype`` (a 16-bit sum is widened first, a wider one scaled first): written into
+    ``out`` where given (one pass where the dtypes match; ``out``: ``dtype``, ``total``'s
+    shape), else ``total`` itself, scaled in place, where it has ``dtype``, else a new tensor.
+    ``total`` may be overwritten."""
+    if out is not None and scale != 1.0 and total.dtype == dtype:
+        return torch.mul(total, scale, out=out)
     if scale != 1.0 and torch.promote_types(total.dtype, dtype) == total.dtype:
         total, scale = total.mul_(scale), 1.0
-    out = total if total.dtype == dtype else total.to(dtype)
+    if out is not None:
+        out.copy_(total)
+    else:
+        out = total if total.dtype == dtype else total.to(dtype)
     return out.mul_(scale) if scale != 1.0 else out
 
 

@@ -43,7 +43,8 @@ class Compressor:
     def gather_dtype(self, params: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
         """The dtype the optimizer gathers these parameters' gradients in for ``encode``
         (None: their own). A compressor whose ``encode`` begins by casting names the cast's
-        dtype here, and the gathering casts in the same pass."""
+        dtype here, and the gathering casts in the same pass. Not asked of compressors with
+        ``error_feedback``: residuals are kept in the gradients' dtype."""
         return None
 
     def residual(self, acc: torch.Tensor, payload: Payload) -> torch.Tensor:

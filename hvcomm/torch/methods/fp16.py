@@ -29,12 +29,12 @@ class SixteenBitCompressor(Compressor):
         return result if result.dtype == payload.dtype else result.to(payload.dtype)
 
     def gather_dtype(self, params):
-        """``wire`` for float32 and float64 gradients: the optimizer casts them as it gathers
-        them, and ``encode`` sends what it gets (the sum is cast back as it is written into
-        the gradients)."""
-        if all(p.dtype in (torch.float32, torch.float64) for p in params):
-            return self.wire
-        return None
+        """``wire`` for a bucket of float32 or of float64 gradients: the optimizer casts them
+        as it gathers them, and ``encode`` sends what it gets (the sum is cast back as it is
+        written into the gradients). None for a bucket of mixed dtypes, whose sum is scaled in
+        their common dtype."""
+        dtypes = {p.dtype for p in params}
+        return self.wire if dtypes in ({torch.float32}, {torch.float64}) else None
 
     def __repr__(self):
         return f"Compression.{self.name}"

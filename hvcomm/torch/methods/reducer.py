@@ -62,9 +62,11 @@ class Reducer:
         tensor, with this rank's residual added where the compressor keeps one, encode it and
         hand its collective to the engine."""
         comp, names, numels = self.compressor, bucket.names, bucket.numels
-        kept = self.memory.kept(names, numels, common_dtype(params)) if comp.error_feedback \
-            else None
-        acc = flat_grad(params, predivide, comp.gather_dtype(params), plus=kept)
+        if comp.error_feedback:  # (its residuals are kept in the gradients' own dtype)
+            acc = flat_grad(params, predivide,
+                            residual=self.memory.kept(names, numels, common_dtype(params)))
+        else:
+            acc = flat_grad(params, predivide, comp.gather_dtype(params))
         payload = comp.encode(acc, step, bucket.key, bucket.shapes, bucket.names)
         if comp.error_feedback:
             self.memory.store(names, numels, comp.residual(acc, payload))

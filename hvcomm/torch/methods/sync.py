@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .. import timeline
-from .buckets import Bucket, CommStats, in_dtype, make_buckets, plan_groups, set_grad, split
+from .buckets import Bucket, CommStats, make_buckets, plan_groups, scaled_in, set_grad, split
 from .compressor import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
@@ -105,7 +105,7 @@ class Synchronous(Strategy):
                     set_grad(p, total, self.scale)
                     yield i, p.grad
                 else:
-                    yield i, in_dtype(total, p.dtype, self.scale).view(p.shape)
+                    yield i, scaled_in(total, p.dtype, self.scale).view(p.shape)
         self.comm_stats, self.comm_end = stats, comm_end
 
     # -- Horovod's synchronize / step --------------------------------------------------------
