@@ -44,14 +44,17 @@ def slurm():
 
 
 def submit(env, *args, extra_env=None):
-    """sbatch --wait a job of slurm/ethernet.sbatch; (exit code, its log)."""
+    """Submit a batch job and wait for its end; (0 if it COMPLETED, else its exit code or 1;
+    its log). Not `sbatch --wait`: its polls grow further apart as the job runs."""
     log = Path(tempfile.mkdtemp(prefix="hvcomm-slurm-test-")) / "job.out"
     ckpt = {"HVCOMM_CHECKPOINT_DIR": str(log.parent / "ckpt")}  # not results/slurm/ckpt-<id>
-    proc = subprocess.run(["sbatch", "--wait", f"--output={log}", *args],
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", *args],
                           cwd=ROOT, env={**env, **ckpt, **(extra_env or {})},
-                          capture_output=True, text=True, timeout=600)
-    text = log.read_text() if log.exists() else ""
-    return proc.returncode, proc.stdout + proc.stderr + text
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fields, text = finish_job(env, proc.stdout.strip().split(";")[0], log, timeout=600)
+    status = 0 if fields["JobState"] == "COMPLETED" else int(fields["ExitCode"].split(":")[0]) or 1
+    return status, f"{fields}\n{text}"
 
 
 GTOPK = ["slurm/ethernet.sbatch", "scripts/train.py", "--method", "gtopk-0.001",
@@ -242,7 +245,7 @@ def test_elastic_job_relaunches_on_the_nodes_left_after_a_node_crash(slurm, tmp_
     train = ["tests/mpi/elastic_train.py", "none", str(out), "--commit-every", "3"]
     proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", "--nodes=2",
                            "--ntasks-per-node=1", "--no-kill", "slurm/ethernet.sbatch", *train,
-                           "--sleep", "0.3"], cwd=ROOT, capture_output=True, text=True,
+                           "--sleep", "0.15"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**slurm, "ELASTIC": "1",
                                            "HVCOMM_CHECKPOINT_DIR": str(ckpt)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -253,6 +256,11 @@ def test_elastic_job_relaunches_on_the_nodes_left_after_a_node_crash(slurm, tmp_
                steps.read_text().count('"step"') >= 10, 240, read)
     crashed_at = time.time()
     assert slurm_local.crash_node(2) > 0
+    # Slurm itself would mark node2 DOWN SlurmdTimeout (60 s) after its last answer and hold
+    # the job COMPLETING until then; the batch script has found it lost by now: say so at once
+    wait_until("the relaunch", lambda: "relaunching on node1" in read(), 240, read)
+    subprocess.run(["scontrol", "update", "NodeName=node2", "State=DOWN",
+                    "Reason=crashed by the test"], env=slurm, check=True, timeout=30)
     fields, text = finish_job(slurm, jobid, log, timeout=400)
     assert fields["JobState"] == "COMPLETED" and text.rstrip().endswith("exit 0"), (fields, text)
     assert "lost node(s) node2; 1 left (node1)" in text and "relaunching on node1" in text, text
