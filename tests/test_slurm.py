@@ -43,16 +43,21 @@ def slurm():
         assert subprocess.run(["pgrep", "-x", "slurmctld"]).returncode != 0, "slurmctld left"
 
 
+def sbatch(env, log: Path, *args) -> str:
+    """Submit a batch job from the project's root with ``env``, its output to ``log``; its id."""
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
 def submit(env, *args, extra_env=None):
     """Submit a batch job and wait for its end; (0 if it COMPLETED, else its exit code or 1;
     its log). Not `sbatch --wait`: its polls grow further apart as the job runs."""
     log = Path(tempfile.mkdtemp(prefix="hvcomm-slurm-test-")) / "job.out"
     ckpt = {"HVCOMM_CHECKPOINT_DIR": str(log.parent / "ckpt")}  # not results/slurm/ckpt-<id>
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", *args],
-                          cwd=ROOT, env={**env, **ckpt, **(extra_env or {})},
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    fields, text = finish_job(env, proc.stdout.strip().split(";")[0], log, timeout=600)
+    jobid = sbatch({**env, **ckpt, **(extra_env or {})}, log, *args)
+    fields, text = finish_job(env, jobid, log, timeout=600)
     status = 0 if fields["JobState"] == "COMPLETED" else int(fields["ExitCode"].split(":")[0]) or 1
     return status, f"{fields}\n{text}"
 
@@ -136,13 +141,9 @@ def wait_until(what, check, timeout: float, describe=lambda: ""):
 
 
 def start_job(env, log: Path, ckpt: Path, launcher: str, *sbatch_args, train_args=()):
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", "--nodes=2",
-                           "--ntasks-per-node=1", *sbatch_args, "slurm/ethernet.sbatch",
-                           *TRAIN, *train_args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**env, "LAUNCHER": launcher,
-                                           "HVCOMM_CHECKPOINT_DIR": str(ckpt)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.strip().split(";")[0]
+    return sbatch({**env, "LAUNCHER": launcher, "HVCOMM_CHECKPOINT_DIR": str(ckpt)}, log,
+                  "--nodes=2", "--ntasks-per-node=1", *sbatch_args, "slurm/ethernet.sbatch",
+                  *TRAIN, *train_args)
 
 
 def finish_job(env, jobid: str, log: Path, timeout: float):
@@ -243,13 +244,9 @@ def test_elastic_job_relaunches_on_the_nodes_left_after_a_node_crash(slurm, tmp_
     out, ckpt, log = tmp_path / "run", tmp_path / "ckpt", tmp_path / "job.out"
     out.mkdir()
     train = ["tests/mpi/elastic_train.py", "none", str(out), "--commit-every", "3"]
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", "--nodes=2",
-                           "--ntasks-per-node=1", "--no-kill", "slurm/ethernet.sbatch", *train,
-                           "--sleep", "0.15"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**slurm, "ELASTIC": "1",
-                                           "HVCOMM_CHECKPOINT_DIR": str(ckpt)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    jobid = proc.stdout.strip().split(";")[0]
+    jobid = sbatch({**slurm, "ELASTIC": "1", "HVCOMM_CHECKPOINT_DIR": str(ckpt)}, log,
+                   "--nodes=2", "--ntasks-per-node=1", "--no-kill", "slurm/ethernet.sbatch",
+                   *train, "--sleep", "0.15")
     steps = out / "steps.rank1.jsonl"  # the rank on node2
     read = lambda: log.read_text() if log.exists() else ""  # noqa: E731
     wait_until("step 10 on node2", lambda: steps.exists() and
