@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from hvcomm.cluster import launch
 
 HERE = Path(__file__).resolve().parent
@@ -32,13 +34,13 @@ def mpirun(n: int, script: str, *args: str, timeout: float = 180, check_ok: bool
     return proc
 
 
-def pytest_argv(test_file: str, *pytest_args: str) -> list:
-    """``-m pytest ...`` for ``tests/mpi/<test_file>``: no cache (the ranks would all write
-    it), no colour (Open MPI gives the ranks a terminal), and no Hypothesis plugin (it imports
-    Hypothesis at the end of every session, about 0.5 s of CPU per rank; @given tests run the
-    same examples without it)."""
+def pytest_argv(*test_files: str) -> list:
+    """``-m pytest ...`` for ``tests/mpi/<test_file>`` ...: no cache (the ranks would all
+    write it), no colour (Open MPI gives the ranks a terminal), and no Hypothesis plugin (it
+    imports Hypothesis at the end of every session, about 0.5 s of CPU per rank; @given tests
+    run the same examples without it)."""
     return ["-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
-            "-p", "no:hypothesispytest", str(HERE / "mpi" / test_file), *pytest_args]
+            "-p", "no:hypothesispytest", *(str(HERE / "mpi" / f) for f in test_files)]
 
 
 COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)\b")
@@ -65,12 +67,38 @@ def check_passed(proc, what: str) -> dict:
     return counts
 
 
-def mpi_pytest(n: int, test_file: str, *pytest_args: str, timeout: float = 180):
-    """Run the pytest suite ``tests/mpi/<test_file>`` on n ranks: it must exit 0 and report
-    passed tests and no failures (rank 0 prints the report). Returns the CompletedProcess.
-    N unconnected one-rank jobs (a wrong mpirun) fail the size check in tests/mpi/conftest.py.
-    """
-    proc = launch.run(n, pytest_argv(test_file, *pytest_args), timeout=timeout,
+def mpi_pytest(n: int, *test_files: str, timeout: float = 180):
+    """Run the pytest suites ``tests/mpi/<test_file>`` ... together on n ranks: it must exit 0
+    and report passed tests and no failures (rank 0 prints the report). Returns the
+    CompletedProcess. N unconnected one-rank jobs (a wrong mpirun) fail the size check in
+    tests/mpi/conftest.py."""
+    proc = launch.run(n, pytest_argv(*test_files), timeout=timeout,
                       env={"HVCOMM_TEST_EXPECT_SIZE": str(n)})
-    check_passed(proc, f"{test_file} on {n} ranks")
+    check_passed(proc, f"{', '.join(test_files)} on {n} ranks")
     return proc
+
+
+def suites_by_size(suites: dict) -> dict:
+    """{n: ([test_file, ...], their time bounds summed)} from {test_file: (sizes, bound in
+    s)}: each size's suites run in one mpirun (:func:`run_suites`), since a launch costs
+    seconds of MPI start-up and imports, more than most suites take."""
+    by_size: dict = {}
+    for test_file, (sizes, bound) in suites.items():
+        for n in sizes:
+            files, total = by_size.get(n, ([], 0))
+            by_size[n] = (files + [test_file], total + bound)
+    return dict(sorted(by_size.items()))
+
+
+def sizes(suites: dict) -> list:
+    """The sizes of ``suites``, as pytest parameters whose timeout is their run's bound (and
+    a minute to start)."""
+    return [pytest.param(n, id=str(n), marks=pytest.mark.timeout(bound + 60))
+            for n, (_, bound) in suites_by_size(suites).items()]
+
+
+def run_suites(n: int, suites: dict):
+    """Every suite of ``suites`` ({test_file: (sizes, bound in s)}) that runs at size n, in
+    one mpirun bounded by their bounds summed."""
+    files, bound = suites_by_size(suites)[n]
+    return mpi_pytest(n, *files, timeout=bound)

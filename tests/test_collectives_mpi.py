@@ -2,19 +2,16 @@
 references."""
 import pytest
 
-from mpi_launch import mpi_pytest
+from mpi_launch import run_suites, sizes
+
+# {file of tests/mpi: (the sizes it runs at, its time bound in s)}; each size's in one mpirun
+SUITES = {
+    "test_collectives.py": ([1, 2, 3, 4, 5, 6, 7, 8], 240),
+    "test_ring.py": ([1, 2, 3, 4, 5], 300),
+    "test_bfloat16.py": ([2, 3], 300),  # through the optimizer
+}
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_collectives_match_reference(n):
-    mpi_pytest(n, "test_collectives.py", timeout=240)
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
-def test_ring_matches_reference(n):
-    mpi_pytest(n, "test_ring.py", timeout=300)
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_bfloat16_through_the_optimizer(n):
-    mpi_pytest(n, "test_bfloat16.py", timeout=300)
+@pytest.mark.parametrize("n", sizes(SUITES))
+def test_suites(n):
+    run_suites(n, SUITES)

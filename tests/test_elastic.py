@@ -78,12 +78,13 @@ def last_commit_before(step):
     ("none", 3, "kill"), ("none", 3, "raise"), ("none", 0, "kill"), ("gtopk", 3, "kill"),
     ("randomk", 3, "kill"), ("powersgd", 3, "kill"), ("od-sgd", 3, "kill"), ("p3", 3, "kill")])
 def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
-    """4 ranks, one ends mid-epoch (step 7 of 48, after its backward pass, while the others
+    """4 ranks, one ends mid-epoch (step 10 of 48, after its backward pass, while the others
     wait for its gradients): SIGKILLed, or ("raise") an exception escapes with
     on_exception="leave". The job finishes every epoch on 3 ranks, exit status 0, with the
     reference's weights (gTop-k: each survivor's residuals as of the commit). Losing rank 0
-    renumbers the survivors and moves the source of sync() to the old rank 1."""
-    fail_at = 7
+    renumbers the survivors and moves the source of sync() to the old rank 1. (The commit
+    restored, 9, is the one the next test's survivors restore: they share references.)"""
+    fail_at = 10
     proc = job(4, method, tmp_path / "a", "--fail", f"{victim}:{fail_at}:{how}",
                env={"HVCOMM_ELASTIC_ON_EXCEPTION": "leave"} if how == "raise" else None)
     out = finished(proc, 3)

@@ -8,21 +8,32 @@ from pathlib import Path
 
 import pytest
 
-from mpi_launch import check_passed, mpi_env, mpi_pytest, mpirun, pytest_argv, summary_counts
+from mpi_launch import (check_passed, mpi_env, mpi_pytest, mpirun, pytest_argv, run_suites, sizes,
+                        summary_counts)
 
-SIZES = [1, 2, 3, 4]
 # HVCOMM_LONG_PROPERTY=1: the property test draws 5,000 examples instead of 120
 PROPERTY_S = 900 if os.environ.get("HVCOMM_LONG_PROPERTY", "") not in ("", "0") else 180
 
+# The suites of tests/mpi: {file: (the sizes it runs at, its time bound in s)}. Each size's
+# suites run together, in one mpirun.
+SUITES = {
+    "test_torch_api.py": ([1, 2, 3, 4], 180),      # the collective API
+    "test_optimizer.py": ([1, 2, 3, 4], 240),      # DistributedOptimizer
+    "test_reducer.py": ([1, 2, 3, 4], 300),        # compression in the optimizer
+    "test_schedule.py": ([1, 2, 3], 400),          # schedules change timing, never weights
+    "test_delayed.py": ([1, 2, 3], 300),           # OD / SSD / CD-SGD
+    "test_periodic.py": ([1, 2, 3], 180),          # local SGD / DiLoCo
+    "test_collectives_property.py": ([1, 2, 3], PROPERTY_S),  # every collective, a reference
+    "test_horovod_api.py": ([1, 2, 3], 180),       # Horovod's API beyond the core
+    "test_powersgd.py": ([1, 2, 3], 180),          # PowerSGD against a serial reference
+    "test_preemption.py": ([1, 2], 120),           # one rank signalled, every rank told
+    "test_elastic_state.py": ([1, 3], 120),        # survivors restore one commit; sync()
+}
 
-@pytest.mark.parametrize("n", SIZES)
-def test_collective_api(n):
-    mpi_pytest(n, "test_torch_api.py")
 
-
-@pytest.mark.parametrize("n", SIZES)
-def test_distributed_optimizer(n):
-    mpi_pytest(n, "test_optimizer.py", timeout=240)
+@pytest.mark.parametrize("n", sizes(SUITES))
+def test_suites(n):
+    run_suites(n, SUITES)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
@@ -60,35 +71,3 @@ def test_horovodrun_launches_an_hvcomm_job():
            sys.executable, *pytest_argv("test_torch_api.py")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     check_passed(proc, "test_torch_api.py under horovodrun -np 2")  # conftest checks the size
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_compression_in_the_optimizer(n):
-    mpi_pytest(n, "test_reducer.py", timeout=300)
-
-
-@pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("test_file, timeout", [
-    ("test_schedule.py", 400),               # schedules change timing, never weights
-    ("test_delayed.py", 300),                # OD / SSD / CD-SGD
-    ("test_periodic.py", 180),               # local SGD / DiLoCo
-    ("test_collectives_property.py", PROPERTY_S),  # every collective against a reference
-    ("test_horovod_api.py", 180),            # Horovod's API beyond the core
-    ("test_powersgd.py", 180),               # PowerSGD against a serial reference
-])
-def test_at_one_to_three_ranks(test_file, timeout, n):
-    mpi_pytest(n, test_file, timeout=timeout)
-
-
-@pytest.mark.parametrize("n", [1, 2])
-def test_preemption_flag(n):
-    """hvcomm.torch.preemption: one rank signalled, every rank told
-    (tests/mpi/test_preemption.py)."""
-    mpi_pytest(n, "test_preemption.py", timeout=120)
-
-
-@pytest.mark.parametrize("n", [1, 3])
-def test_elastic_state_agreement(n):
-    """The survivors restore the same commit; sync() sends hvcomm's global state
-    (tests/mpi/test_elastic_state.py)."""
-    mpi_pytest(n, "test_elastic_state.py", timeout=120)
