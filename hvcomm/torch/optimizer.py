@@ -198,6 +198,7 @@ same on every rank (elastic ``sync()`` sends them from rank 0)."""
 def _distributed_class(base: type) -> type:
     class Distributed(_DistributedMixin, base):  # type: ignore[misc, valid-type]
         __doc__ = f"{base.__name__} whose gradients are averaged across ranks by hvcomm."
+        _hvcomm_wrapped = base  # whose step() the update runs (methods.strategy reads it)
 
     Distributed.__name__ = Distributed.__qualname__ = f"Distributed{base.__name__}"
     return Distributed

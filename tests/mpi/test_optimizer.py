@@ -212,3 +212,95 @@ def test_the_options_are_the_signatures_keywords_and_all_but_two_are_agreed():
     for field, value in other.items():
         changed = dataclasses.replace(base, **{field: value}).agreement_key(name_of)
         assert (changed == key) == (field in not_agreed), field
+
+
+# torch.optim optimizers that update each parameter on its own; fusion_threshold_bytes=0 gives
+# Net's six tensors a bucket each
+PER_PARAMETER = {
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
+                                               weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+}
+STEPS = 4
+
+
+def update_spans(train) -> int:
+    """Run ``train()`` under a timeline; the "update" spans this rank recorded."""
+    import json
+    import os
+    import tempfile
+    from hvcomm.torch.timeline import rank_path
+    path = os.path.join(tempfile.mkdtemp(), "timeline.json")
+    hvd.start_timeline(path)
+    try:
+        train()
+    finally:
+        hvd.stop_timeline()
+    with open(rank_path(path, hvd.rank())) as f:
+        return sum(1 for e in json.load(f) if e.get("ph") == "X" and e["name"] == "update")
+
+
+def trained(make, steps=STEPS, **kw):
+    model = Net()
+    opt = hvd.DistributedOptimizer(make(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold_bytes=0, **kw)
+    spans = update_spans(lambda: train_steps(model, opt, range(steps)))
+    return model, opt, spans
+
+
+@pytest.mark.parametrize("name", sorted(PER_PARAMETER))
+def test_each_bucket_is_updated_as_soon_as_it_is_averaged(name):
+    """A torch.optim optimizer that updates each parameter on its own is stepped bucket by
+    bucket, each as soon as it is averaged (an "update" span per bucket and step), to the
+    weights of one process on the whole batch, and bit for bit to those of the same
+    optimizer updated whole: a subclass, whose step() hvcomm cannot see into."""
+    make = PER_PARAMETER[name]
+    model, _, spans = trained(make)
+    assert spans == STEPS * len(list(model.parameters())), spans
+    serial = Net()
+    opt = make(serial.parameters())
+    for s in range(STEPS):
+        x, y = data(s, hvd.size())
+        opt.zero_grad()
+        loss_fn(serial, x, y).backward()
+        opt.step()
+    assert_close(model, serial)
+
+    def subclassed(ps):
+        o = make(ps)
+        o.__class__ = type("Subclass", (type(o),), {})
+        return o
+    whole, _, spans = trained(subclassed)
+    assert spans == STEPS, spans
+    for (n, p), q in zip(model.named_parameters(), whole.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_hooks_and_closures_update_whole():
+    """A step hook would run once per bucket, and a closure's loss is the whole step's: both
+    keep the update whole."""
+    make = PER_PARAMETER["adam"]
+
+    def with_hook(ps):
+        opt = make(ps)
+        opt.register_step_pre_hook(lambda *a: None)
+        return opt
+    _, _, spans = trained(with_hook)
+    assert spans == STEPS, spans
+
+    model = Net()
+    opt = hvd.DistributedOptimizer(make(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold_bytes=0)
+    x, y = data(0, hvd.size())
+    x, y = shard(x, hvd.rank()), shard(y, hvd.rank())
+
+    def closure():
+        return loss_fn(model, x, y)
+    loss_fn(model, x, y).backward()
+    spans = update_spans(lambda: opt.step(closure))
+    assert spans == 1, spans

@@ -29,7 +29,7 @@ from .base import ScheduleMethod
 from .compressor import sends_as_is
 from .payload import ring_bytes
 from .buckets import CommStats, as_numpy, flat_grad
-from .strategy import BaseStep, Strategy, in_flight_error
+from .strategy import BaseStep, Strategy, in_flight_error, update_only
 
 
 def priority_key(tensor_index: int) -> int:
@@ -240,23 +240,10 @@ class P3(Strategy):
             self._deferred = None
             self.comm_stats = self._round_stats(r)
         with timeline.measure("update", params=len(params)):
-            self._update_only(params)
+            update_only(self._optimizer, self.base_step, params)
         if self._zeroed_since_step:
             for p, g in zip(params, saved):
                 p.grad = g
-
-    def _update_only(self, params) -> None:
-        """The wrapped optimizer's step on a subset of the parameters."""
-        keep = {id(p) for p in params}
-        groups = self._optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        for g in groups:
-            g["params"] = [p for p in g["params"] if id(p) in keep]
-        try:
-            self.base_step(None)
-        finally:
-            for g, ps in zip(groups, saved):
-                g["params"] = ps
 
     def _finish_deferred(self) -> None:
         if self._deferred is not None:

@@ -85,6 +85,45 @@ class Strategy:
         raise NotImplementedError
 
 
+# torch.optim's optimizers whose update of a parameter reads nothing but that parameter, its
+# gradient and its own state: stepped on a few parameters at a time they give, bit for bit,
+# the weights of one step on all of them
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+                 torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
+                 torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
+
+
+def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the DistributedOptimizer ``optimizer`` may be stepped a few parameters at a
+    time (:func:`update_only`) with the weights of one step: it wraps one of
+    :data:`PER_PARAMETER` itself (a subclass may do anything in ``step``), every parameter
+    it holds is averaged (has requires_grad), and no step hook would run once per part."""
+    from torch.optim import optimizer as torch_optimizer
+    wrapped = getattr(type(optimizer), "_hvcomm_wrapped", None)
+    hooks = (getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+             getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
+             getattr(optimizer, "_optimizer_step_pre_hooks", None),
+             getattr(optimizer, "_optimizer_step_post_hooks", None))
+    return (wrapped in PER_PARAMETER and all(h is not None and not h for h in hooks)
+            and all(p.requires_grad for g in optimizer.param_groups for p in g["params"]))
+
+
+def update_only(optimizer: torch.optim.Optimizer, base_step: BaseStep,
+                params: Sequence[torch.nn.Parameter]) -> None:
+    """The wrapped optimizer's step on ``params`` alone: its param_groups narrowed to them for
+    the call."""
+    keep = {id(p) for p in params}
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    for g in groups:
+        g["params"] = [p for p in g["params"] if id(p) in keep]
+    try:
+        base_step(None)
+    finally:
+        for g, ps in zip(groups, saved):
+            g["params"] = ps
+
+
 def in_flight_error() -> HvcommError:
     return HvcommError("load_state_dict() while gradients are in flight; call synchronize() or "
                        "step() first")

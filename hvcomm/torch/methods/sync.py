@@ -15,7 +15,7 @@ from .compressor import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
 from .reducer import InFlight, Reducer
-from .strategy import BaseStep, Strategy, in_flight_error
+from .strategy import BaseStep, Strategy, in_flight_error, steps_per_parameter, update_only
 
 Launched = List[Tuple[Bucket, InFlight]]
 
@@ -26,15 +26,19 @@ class Synchronous(Strategy):
     times predivide). ``dense_at(step)``: steps whose buckets go uncompressed (the delayed
     modes' warm-up and CD-SGD's full-precision steps). ``comm``: a process set's
     communicator (default: every rank). ``adasum``: buckets are combined by Adasum instead
-    of summed. ``memory``: the error-feedback residuals (default: its own)."""
+    of summed. ``memory``: the error-feedback residuals (default: its own). ``optimizer``: the
+    DistributedOptimizer, given where ``step()`` may update each bucket's parameters as soon
+    as that bucket is averaged (:meth:`step`)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  base_step: BaseStep, engine, compression: Compressor,
                  groups: Sequence[Sequence[int]], *, predivide: float = 1.0,
                  scale: float = 1.0, plans=None,
                  dense_at: Callable[[int], bool] = lambda step: False, comm=None,
-                 adasum: bool = False, memory: Optional[ErrorFeedback] = None):
+                 adasum: bool = False, memory: Optional[ErrorFeedback] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None):
         super().__init__(params, names, base_step)
+        self.optimizer = optimizer
         self.memory = ErrorFeedback() if memory is None else memory
         self.comm_stats, self.steps = CommStats(), 0
         self._reducer = Reducer(engine, compression, self.memory, comm, adasum)
@@ -88,24 +92,34 @@ class Synchronous(Strategy):
                 ) -> Iterator[Tuple[int, torch.Tensor]]:
         """Wait for ``launched`` bucket by bucket, yielding (parameter position, its averaged
         gradient in the parameter's dtype and shape) for each bucket's parameters as soon as
-        that bucket is finished, so the caller's use of them overlaps the later buckets'
-        communication. ``into_grads``: each average is written into its parameter's
-        ``.grad`` (:func:`set_grad`), which is what is yielded. Sets ``comm_stats`` and
-        ``comm_end`` once exhausted. If a bucket's collective raises, the buckets before it
-        have been handed over and the rest not (a failure: elastic restores the state)."""
+        that bucket is finished (:meth:`collect_buckets`, one pair at a time)."""
+        for _, averaged in self.collect_buckets(launched, into_grads):
+            yield from averaged
+
+    def collect_buckets(self, launched: Launched, into_grads: bool = False
+                        ) -> Iterator[Tuple[Bucket, List[Tuple[int, torch.Tensor]]]]:
+        """Wait for ``launched`` bucket by bucket, yielding each bucket with its parameters'
+        (position, averaged gradient in the parameter's dtype and shape) as soon as it is
+        finished, so the caller's use of them overlaps the later buckets' communication.
+        ``into_grads``: each average is written into its parameter's ``.grad``
+        (:func:`set_grad`), which is what is yielded. Sets ``comm_stats`` and ``comm_end``
+        once exhausted. If a bucket's collective raises, the buckets before it have been
+        handed over and the rest not (a failure: elastic restores the state)."""
         stats, comm_end = CommStats(), 0.0
         for bucket, job in launched:
             flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own
             comm_end = max(comm_end, job.handle.finished_at)
             stats.add(sent, payload_bytes)
+            averaged = []
             for j, total in split(flat, bucket.numels):
                 i = bucket.indices[j]
                 p = self.params[i]
                 if into_grads:
                     set_grad(p, total, self.scale)
-                    yield i, p.grad
+                    averaged.append((i, p.grad))
                 else:
-                    yield i, scaled_in(total, p.dtype, self.scale).view(p.shape)
+                    averaged.append((i, scaled_in(total, p.dtype, self.scale).view(p.shape)))
+            yield bucket, averaged
         self.comm_stats, self.comm_end = stats, comm_end
 
     # -- Horovod's synchronize / step --------------------------------------------------------
@@ -119,11 +133,31 @@ class Synchronous(Strategy):
     def update(self, closure=None):
         with timeline.measure("update"):
             loss = self.base_step(closure)
+        self._after_update()
+        return loss
+
+    def step(self, closure=None):
+        """Synchronise and update. Where the optimizer allows it (a torch.optim optimizer
+        that updates each parameter on its own, :func:`steps_per_parameter`; no closure; no
+        planned grouping, whose planner times the update whole), each bucket's parameters
+        are updated as soon as that bucket is averaged, while the later buckets are still
+        on the wire: the same weights, and only the last bucket's update after the last
+        collective."""
+        if (closure is not None or self.optimizer is None or self.plans is not None
+                or len(self.buckets) < 2 or not steps_per_parameter(self.optimizer)):
+            return super().step(closure)
+        for bucket, averaged in self.collect_buckets(self.take_launched(), into_grads=True):
+            with timeline.measure("update", bucket=bucket.key[:80]):
+                update_only(self.optimizer, self.base_step, [self.params[i] for i, _ in averaged])
+        self.steps += 1
+        self._after_update()
+        return None
+
+    def _after_update(self) -> None:
         if self.plans is not None:
             groups = self.plans.after_step(self.comm_end)
             if groups is not None:
                 self.set_groups(groups)
-        return loss
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
@@ -175,4 +209,5 @@ class Setup:
         ``dense_at``)."""
         return Synchronous(self.params, self.names, self.base_step, self.engine,
                            self.options.compression, groups, predivide=self.predivide,
-                           scale=self.scale, comm=self.comm, adasum=self.adasum, **kw)
+                           scale=self.scale, comm=self.comm, adasum=self.adasum,
+                           optimizer=self.optimizer, **kw)
