@@ -214,17 +214,30 @@ def test_the_options_are_the_signatures_keywords_and_all_but_two_are_agreed():
         assert (changed == key) == (field in not_agreed), field
 
 
-# torch.optim optimizers that update each parameter on its own; fusion_threshold_bytes=0 gives
-# Net's six tensors a bucket each
-PER_PARAMETER = {
-    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
-                                               weight_decay=1e-3),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
-    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True),
-    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
-    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+# torch.optim's optimizers that update each parameter on its own, as this file builds them;
+# fusion_threshold_bytes=0 gives Net's six tensors a bucket each
+OPTIMIZERS = {
+    torch.optim.SGD: dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    torch.optim.Adam: dict(lr=0.01),
+    torch.optim.AdamW: dict(lr=0.01, amsgrad=True),
+    torch.optim.Adamax: dict(lr=0.01),
+    torch.optim.NAdam: dict(lr=0.01),
+    torch.optim.RAdam: dict(lr=0.01),
+    torch.optim.Adagrad: dict(lr=0.05),
+    torch.optim.Adadelta: dict(lr=0.5),
+    torch.optim.RMSprop: dict(lr=0.01, momentum=0.5),
+    torch.optim.Rprop: dict(lr=0.01),
+    torch.optim.ASGD: dict(lr=0.05, t0=2),
 }
 STEPS = 4
+
+
+def two_groups(cls, model):
+    """``cls`` over two parameter groups (the head's learning rate halved)."""
+    kw = OPTIMIZERS[cls]
+    head = set(model.head.parameters())
+    return cls([{"params": [p for p in model.parameters() if p not in head]},
+                {"params": list(model.head.parameters()), "lr": kw["lr"] / 2}], **kw)
 
 
 def update_spans(train) -> int:
@@ -244,25 +257,30 @@ def update_spans(train) -> int:
 
 
 def trained(make, steps=STEPS, **kw):
+    """Net trained ``steps`` steps by a DistributedOptimizer around ``make(model)``, a bucket
+    per tensor; (the model, the "update" spans)."""
     model = Net()
-    opt = hvd.DistributedOptimizer(make(model.parameters()),
-                                   named_parameters=model.named_parameters(),
+    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters(),
                                    fusion_threshold_bytes=0, **kw)
     spans = update_spans(lambda: train_steps(model, opt, range(steps)))
-    return model, opt, spans
+    return model, spans
 
 
-@pytest.mark.parametrize("name", sorted(PER_PARAMETER))
-def test_each_bucket_is_updated_as_soon_as_it_is_averaged(name):
+def test_the_optimizers_here_are_the_ones_updated_in_parts():
+    from hvcomm.torch.methods.strategy import PER_PARAMETER
+    assert set(OPTIMIZERS) == set(PER_PARAMETER)
+
+
+@pytest.mark.parametrize("cls", list(OPTIMIZERS), ids=lambda c: c.__name__)
+def test_each_bucket_is_updated_as_soon_as_it_is_averaged(cls):
     """A torch.optim optimizer that updates each parameter on its own is stepped bucket by
     bucket, each as soon as it is averaged (an "update" span per bucket and step), to the
     weights of one process on the whole batch, and bit for bit to those of the same
     optimizer updated whole: a subclass, whose step() hvcomm cannot see into."""
-    make = PER_PARAMETER[name]
-    model, _, spans = trained(make)
+    model, spans = trained(lambda m: two_groups(cls, m))
     assert spans == STEPS * len(list(model.parameters())), spans
     serial = Net()
-    opt = make(serial.parameters())
+    opt = two_groups(cls, serial)
     for s in range(STEPS):
         x, y = data(s, hvd.size())
         opt.zero_grad()
@@ -270,34 +288,54 @@ def test_each_bucket_is_updated_as_soon_as_it_is_averaged(name):
         opt.step()
     assert_close(model, serial)
 
-    def subclassed(ps):
-        o = make(ps)
-        o.__class__ = type("Subclass", (type(o),), {})
+    def subclassed(m):
+        o = two_groups(cls, m)
+        o.__class__ = type("Subclass", (cls,), {})
         return o
-    whole, _, spans = trained(subclassed)
+    whole, spans = trained(subclassed)
     assert spans == STEPS, spans
     for (n, p), q in zip(model.named_parameters(), whole.parameters()):
         assert torch.equal(p, q), n
 
 
-def test_hooks_and_closures_update_whole():
-    """A step hook would run once per bucket, and a closure's loss is the whole step's: both
-    keep the update whole."""
-    make = PER_PARAMETER["adam"]
-
-    def with_hook(ps):
-        opt = make(ps)
+def test_what_is_not_averaged_hooks_and_closures_update_whole():
+    """Stepped a bucket at a time, a parameter the optimizer holds but does not average (one
+    frozen when it was wrapped, or added since) would never be updated; a step hook would run
+    once per bucket; a closure's loss is the whole step's. Each keeps the update whole (one
+    "update" span a step), and the parameter added later is updated."""
+    def with_hook(m):
+        opt = two_groups(torch.optim.Adam, m)
         opt.register_step_pre_hook(lambda *a: None)
         return opt
-    _, _, spans = trained(with_hook)
+    _, spans = trained(with_hook)
     assert spans == STEPS, spans
 
     model = Net()
-    opt = hvd.DistributedOptimizer(make(model.parameters()),
+    model.head.bias.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(two_groups(torch.optim.SGD, model),
                                    named_parameters=model.named_parameters(),
                                    fusion_threshold_bytes=0)
+    model.head.bias.requires_grad_(True)  # unfrozen after wrapping: held, not averaged
+    spans = update_spans(lambda: train_steps(model, opt, range(2)))
+    assert spans == 2 and not torch.equal(model.head.bias, Net().head.bias), spans
+
+    model = Net()
+    extra = torch.nn.Parameter(torch.ones(3))
+    opt = hvd.DistributedOptimizer(two_groups(torch.optim.SGD, model),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold_bytes=0)
+    opt.add_param_group({"params": [extra]})
     x, y = data(0, hvd.size())
     x, y = shard(x, hvd.rank()), shard(y, hvd.rank())
+    opt.zero_grad()
+    (loss_fn(model, x, y) + extra.sum()).backward()
+    spans = update_spans(opt.step)
+    assert spans == 1 and (extra.detach() < 1).all(), (spans, extra)
+
+    model = Net()
+    opt = hvd.DistributedOptimizer(two_groups(torch.optim.Adam, model),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold_bytes=0)
 
     def closure():
         return loss_fn(model, x, y)

@@ -93,19 +93,22 @@ PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opt
                  torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
 
 
-def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the DistributedOptimizer ``optimizer`` may be stepped a few parameters at a
-    time (:func:`update_only`) with the weights of one step: it wraps one of
-    :data:`PER_PARAMETER` itself (a subclass may do anything in ``step``), every parameter
-    it holds is averaged (has requires_grad), and no step hook would run once per part."""
+def may_update_in_parts(optimizer: torch.optim.Optimizer,
+                        averaged: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether the DistributedOptimizer ``optimizer`` may be stepped a few of the ``averaged``
+    parameters at a time (:func:`update_only`) with the weights of one step: it wraps one of
+    :data:`PER_PARAMETER` itself (a subclass may do anything in ``step``), the parameters it
+    holds are the averaged ones (none frozen when it was wrapped, or added since, which a
+    step in parts would never update), and no step hook would run once per part."""
     from torch.optim import optimizer as torch_optimizer
     wrapped = getattr(type(optimizer), "_hvcomm_wrapped", None)
     hooks = (getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
              getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
              getattr(optimizer, "_optimizer_step_pre_hooks", None),
              getattr(optimizer, "_optimizer_step_post_hooks", None))
+    held = [id(p) for g in optimizer.param_groups for p in g["params"]]
     return (wrapped in PER_PARAMETER and all(h is not None and not h for h in hooks)
-            and all(p.requires_grad for g in optimizer.param_groups for p in g["params"]))
+            and len(held) == len(averaged) and set(held) == {id(p) for p in averaged})
 
 
 def update_only(optimizer: torch.optim.Optimizer, base_step: BaseStep,

@@ -15,7 +15,8 @@ from .compressor import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
 from .reducer import InFlight, Reducer
-from .strategy import BaseStep, Strategy, in_flight_error, steps_per_parameter, update_only
+from .strategy import (BaseStep, Strategy, in_flight_error, may_update_in_parts,
+                       update_only)
 
 Launched = List[Tuple[Bucket, InFlight]]
 
@@ -38,7 +39,7 @@ class Synchronous(Strategy):
                  adasum: bool = False, memory: Optional[ErrorFeedback] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None):
         super().__init__(params, names, base_step)
-        self.optimizer = optimizer
+        self._optimizer = optimizer
         self.memory = ErrorFeedback() if memory is None else memory
         self.comm_stats, self.steps = CommStats(), 0
         self._reducer = Reducer(engine, compression, self.memory, comm, adasum)
@@ -138,17 +139,32 @@ class Synchronous(Strategy):
 
     def step(self, closure=None):
         """Synchronise and update. Where the optimizer allows it (a torch.optim optimizer
-        that updates each parameter on its own, :func:`steps_per_parameter`; no closure; no
-        planned grouping, whose planner times the update whole), each bucket's parameters
-        are updated as soon as that bucket is averaged, while the later buckets are still
-        on the wire: the same weights, and only the last bucket's update after the last
-        collective."""
-        if (closure is not None or self.optimizer is None or self.plans is not None
-                or len(self.buckets) < 2 or not steps_per_parameter(self.optimizer)):
+        that updates each parameter on its own, holding just the averaged parameters, with
+        no step hook: :func:`may_update_in_parts`; no closure; no planned grouping, whose
+        planner times the update whole), each bucket's parameters are updated as soon as that
+        bucket is averaged, while the later buckets are still on the wire: the same weights,
+        and only the last bucket's update after the last collective. If an update raises,
+        the later buckets are still waited for (their residuals settled, their averages in
+        ``.grad``) before it propagates."""
+        if (closure is not None or self._optimizer is None or self.plans is not None
+                or len(self.buckets) < 2
+                or not may_update_in_parts(self._optimizer, self.params)):
             return super().step(closure)
-        for bucket, averaged in self.collect_buckets(self.take_launched(), into_grads=True):
-            with timeline.measure("update", bucket=bucket.key[:80]):
-                update_only(self.optimizer, self.base_step, [self.params[i] for i, _ in averaged])
+        buckets = self.collect_buckets(self.take_launched(), into_grads=True)
+        try:
+            while True:
+                with timeline.measure("wait"):
+                    done = next(buckets, None)
+                if done is None:
+                    break
+                bucket, averaged = done
+                with timeline.measure("update", bucket=bucket.key[:80]):
+                    update_only(self._optimizer, self.base_step,
+                                [self.params[i] for i, _ in averaged])
+        except BaseException:
+            for _ in buckets:  # (empty if a collective raised: the generator has ended)
+                pass
+            raise
         self.steps += 1
         self._after_update()
         return None
