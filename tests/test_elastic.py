@@ -82,9 +82,8 @@ def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
     wait for its gradients): SIGKILLed, or ("raise") an exception escapes with
     on_exception="leave". The job finishes every epoch on 3 ranks, exit status 0, with the
     reference's weights (gTop-k: each survivor's residuals as of the commit). Losing rank 0
-    renumbers the survivors and moves the source of sync() to the old rank 1. (The commit
-    restored, 9, is the one the next test's survivors usually restore: then they share the
-    reference.)"""
+    renumbers the survivors and moves the source of sync() to the old rank 1. (Commit 9,
+    restored here, is usually the next test's too: then they share the reference.)"""
     fail_at = 10
     proc = job(4, method, tmp_path / "a", "--fail", f"{victim}:{fail_at}:{how}",
                env={"HVCOMM_ELASTIC_ON_EXCEPTION": "leave"} if how == "raise" else None)
