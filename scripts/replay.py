@@ -259,8 +259,8 @@ def replay(args, dilate: float, net: str, network: str, name: str) -> list:
                                                  round(pred * 1e3 / dilate, 1))))
                             if dilate != 1 else {})})
             print(f"dilated {dilate:g}x\n" + report.table(rows[-1:], HEADERS), flush=True)
-        # after each P: what was measured is kept if a later P fails
-        path = write(name, net, network, args, dilate, trace, rows, local_rows)
+            # after each method: what was measured is kept if a later one fails
+            path = write(name, net, network, args, dilate, trace, rows, local_rows)
     print(f"written to {path.relative_to(report.ROOT)}")
     return rows
 
