@@ -1,12 +1,41 @@
 """A request-like handle that drives a multi-round schedule written as a generator."""
 from __future__ import annotations
 
+import os
+import time
 from typing import TYPE_CHECKING, Any, Generator, List
+
+from .errors import HvcommError
 
 if TYPE_CHECKING:  # mpi4py's MPI is imported on first use, so that importing needs no MPI library
     from mpi4py import MPI
 
 Schedule = Generator[List["MPI.Request"], None, Any]
+
+# wait() polls its requests for SPIN_S, then sleeps between polls, FIRST_SLEEP_S first and
+# twice as long each time up to HVCOMM_WAIT_SLEEP_US (default DEFAULT_SLEEP_US). MPI_Waitall
+# would spin for the whole wait (Open MPI yields the core at most), taking CPU from the
+# backward pass and the kernel's network work beside it (results/ddp.md gives each step's
+# CPU time; docs/benchmarks.md compares the two ways of waiting).
+SPIN_S = 50e-6
+FIRST_SLEEP_S = 20e-6
+DEFAULT_SLEEP_US = 500
+
+
+def longest_sleep_s() -> float:
+    """The longest sleep between two polls of :meth:`Pending.wait`, in seconds
+    (HVCOMM_WAIT_SLEEP_US, read at each wait); 0: wait in MPI_Waitall."""
+    text = os.environ.get("HVCOMM_WAIT_SLEEP_US")
+    if text is None:
+        return DEFAULT_SLEEP_US * 1e-6
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        raise HvcommError("HVCOMM_WAIT_SLEEP_US must be a number of microseconds from 0 "
+                          f"(spin in MPI_Waitall) to 1000000, got {text!r}")
+    return value * 1e-6
 
 
 class Pending:
@@ -37,12 +66,28 @@ class Pending:
         return self._done
 
     def wait(self) -> Any:
-        """Block until finished and return the result."""
+        """Block until finished and return the result; between polls of the requests in
+        flight sleep up to :func:`longest_sleep_s`."""
         from mpi4py import MPI
+        longest = longest_sleep_s()
         while not self._done:
-            MPI.Request.Waitall(self._requests)
+            if longest:
+                _sleep_until_complete(self._requests, longest)
+            else:
+                MPI.Request.Waitall(self._requests)
             self._advance()
         return self._result
+
+
+def _sleep_until_complete(requests: "List[MPI.Request]", longest: float) -> None:
+    from mpi4py import MPI
+    if MPI.Request.Testall(requests):
+        return
+    spin_until, sleep = time.perf_counter() + SPIN_S, FIRST_SLEEP_S
+    while not MPI.Request.Testall(requests):
+        if time.perf_counter() >= spin_until:
+            time.sleep(sleep)
+            sleep = min(2 * sleep, longest)
 
 
 def completed(value: Any) -> Pending:

@@ -85,9 +85,9 @@ def worker(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8], help="values of P")
-    ap.add_argument("--d", type=int, nargs="*", default=[1_000_000, 26_214_400])
-    ap.add_argument("--density", type=float, nargs="*", default=[0.01, 0.001])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="values of P")
+    ap.add_argument("--d", type=int, nargs="+", default=[1_000_000, 26_214_400])
+    ap.add_argument("--density", type=float, nargs="+", default=[0.01, 0.001])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--name", help="results/<name>.md (default: collectives_<net>)")
     report.add_net_option(ap)

@@ -11,8 +11,10 @@ Methods: dense, fp16 and PowerSGD at rank 4, hvcomm's ``Compression.none``, ``.f
 bucket: with several it fails on gloo).
 
 Beside each row: the communication bound, the ring's 2(P-1)/P of the bytes each rank sends on
-one link of the emulated rate (the emulated links add no latency), and the step's computation
-alone (forward, backward and SGD update of the same model without communication).
+one link of the emulated rate (the emulated links add no latency), the step's computation
+alone (forward, backward and SGD update of the same model without communication), and each
+tool's CPU time per step (all of a rank's threads: computing, copying, and waiting for the wire
+if it waits by polling).
 
 Driver (default): one mpirun per (network, P); writes results/ddp.md. Worker: --worker.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -44,14 +47,22 @@ def _model():
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
+def _cpu_s() -> float:
+    """This process's CPU time so far, every thread, user and system."""
+    t = os.times()
+    return t.user + t.system
+
+
 def _time_steps(comm, step, x, steps: int):
+    """Per step: (the slowest rank's wall time, the ranks' mean CPU time), in seconds."""
     from mpi4py import MPI
     times = []
     for _ in range(steps):
         comm.Barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         step(x)
-        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
+        times.append((comm.allreduce(wall, op=MPI.MAX), comm.allreduce(cpu) / comm.size))
     return times
 
 
@@ -107,19 +118,21 @@ def worker(args) -> None:
     ddp_peer.init_gloo(comm)
     x = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(1 + comm.rank))
     steps = args.warmup + args.iters
-    compute = _time_steps(comm, _compute_only(), x, steps)[args.warmup:]
+    compute = [wall for wall, _ in _time_steps(comm, _compute_only(), x, steps)[args.warmup:]]
     runs = {f"{tool} {m}": [] for m in args.methods for tool in ("hvcomm", "DDP")}
+    cpu = {key: [] for key in runs}
     for _ in range(args.repeats):
         for method in args.methods:
             for tool in ("hvcomm", "DDP"):
                 step, close = _hvcomm_run(hvd, method) if tool == "hvcomm" else _ddp_run(method)
                 times = _time_steps(comm, step, x, steps)[args.warmup:]
                 close()
-                runs[f"{tool} {method}"].append(statistics.median(times))
+                runs[f"{tool} {method}"].append(statistics.median(w for w, _ in times))
+                cpu[f"{tool} {method}"] += [c for _, c in times]
                 del step
     dist.destroy_process_group()
     if comm.Get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"runs": runs,
+        Path(args.out).write_text(json.dumps({"runs": runs, "cpu": cpu,
                                               "compute_s": statistics.median(compute)}))
 
 
@@ -135,6 +148,7 @@ def rows_for(net: str, label: str, p: int, res: dict, methods=METHODS):
     for method in methods:
         h, d = res["runs"][f"hvcomm {method}"], res["runs"][f"DDP {method}"]
         hs, ds = statistics.median(h), statistics.median(d)
+        hc, dc = (statistics.median(res["cpu"][f"{t} {method}"]) for t in ("hvcomm", "DDP"))
         b = bound_s(method, p, net)
         rows.append({
             "network": label, "P": p, "method": method,
@@ -144,6 +158,7 @@ def rows_for(net: str, label: str, p: int, res: dict, methods=METHODS):
             "comm bound (s)": "-" if b is None else f"{b:.3f}",
             "hvcomm / bound": "-" if b is None else f"{hs / b:.2f}",
             "DDP / bound": "-" if b is None else f"{ds / b:.2f}",
+            "CPU per step (hvcomm; DDP, s)": f"{hc:.3f}; {dc:.3f}",
             "compute alone (s)": f"{res['compute_s']:.3f}"})
     return rows
 
@@ -151,13 +166,13 @@ def rows_for(net: str, label: str, p: int, res: dict, methods=METHODS):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--nets", nargs="*", default=["shm", "1gbit", "10gbit"])
-    ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8])
+    ap.add_argument("--nets", nargs="+", default=["shm", "1gbit", "10gbit"])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--name", default="ddp")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -201,6 +216,9 @@ def main() -> None:
                      hvcomm="DistributedOptimizer defaults (Compression.none, .fp16, "
                             f".powersgd(rank={RANK})), 25 MiB buckets for every method",
                      threads="OMP_NUM_THREADS=1, torch.set_num_threads(1), both tools",
+                     cpu="CPU per step: a rank's process CPU time (user + system, all its "
+                         "threads) over the step, the mean over ranks, the median over all "
+                         "timed steps of the runs",
                      bound="ring transfer of the method's bytes, 2(P-1)/P x bytes / link rate "
                            f"(dense {_wire_bytes('dense') / 1e6:.1f} MB, fp16 "
                            f"{_wire_bytes('fp16') / 1e6:.1f} MB, PowerSGD "

@@ -62,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--framework", choices=["hvcomm", "horovod"], default="hvcomm")
-    ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)

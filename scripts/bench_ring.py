@@ -89,9 +89,9 @@ def worker(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--nets", nargs="*", default=["shm", "1gbit", "10gbit"])
-    ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
-    ap.add_argument("--sizes", type=int, nargs="*", default=SIZES)
+    ap.add_argument("--nets", nargs="+", default=["shm", "1gbit", "10gbit"])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--net", default="shm", help=argparse.SUPPRESS)

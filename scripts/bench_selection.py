@@ -24,8 +24,8 @@ def best_of(fn, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d", type=int, nargs="*", default=[1_000_000, 25_000_000])
-    ap.add_argument("--density", type=float, nargs="*", default=[0.001, 0.01])
+    ap.add_argument("--d", type=int, nargs="+", default=[1_000_000, 25_000_000])
+    ap.add_argument("--density", type=float, nargs="+", default=[0.001, 0.01])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -175,8 +175,8 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--trace", default="resnet50-v100",
                     help="the allreduce carries this trace's parameter count")
-    ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4])
-    ap.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--busy", type=float, default=0.3, help="seconds of work beside it")
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--fast-net", default="10gbit",

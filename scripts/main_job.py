@@ -214,10 +214,10 @@ def write_comparison(name, args, label, runs) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", "--ranks", type=int, default=4)
-    ap.add_argument("--workloads", nargs="*", choices=list(DESCRIBED), default=list(DESCRIBED),
+    ap.add_argument("--workloads", nargs="+", choices=list(DESCRIBED), default=list(DESCRIBED),
                     help="default: all three (scripts/workloads.py)")
     ap.add_argument("--epochs", type=int, help="default: each workload's")
-    ap.add_argument("--methods", nargs="*", help="default: all available (the CNN and the "
+    ap.add_argument("--methods", nargs="+", help="default: all available (the CNN and the "
                                                  "transformer: COMPACT)")
     ap.add_argument("--batch", type=int, help="per rank (default: each workload's)")
     ap.add_argument("--delay-warmup", type=int,

@@ -42,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", "--ranks", type=int, default=2)
     ap.add_argument("--net", default="1gbit")
-    ap.add_argument("--batches", type=int, nargs="*", default=[32, 96])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 96])
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--delay-warmup", type=int, default=10)
     ap.add_argument("--name", default="overlap_p2_1gbit")

@@ -155,8 +155,8 @@ def main() -> None:
                     help="worker: each rank replays on a one-rank communicator")
     ap.add_argument("--trace", default="resnet50-v100",
                     help="a name in hvcomm/sim/traces or a file")
-    ap.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8])
-    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--warmup", type=int, default=12,
                     help="untimed steps first (the schedules profile in them; mgwfbp gets "

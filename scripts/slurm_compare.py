@@ -54,7 +54,7 @@ def plain_mpirun(nodes: int, rate: str, train_args, out_dir: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--method", default="gtopk-0.001")
     ap.add_argument("--epochs", type=int, default=5)

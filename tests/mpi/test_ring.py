@@ -8,12 +8,14 @@ to the element type (16-bit ones formed in float32, rounded by NumPy's or torch'
 The ring must equal it bitwise; Open MPI's path (small messages) is checked on integer-valued
 data, whose sums are exact in any order.
 """
+import time
+
 import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 
-from collectives import ring
+from collectives import handle, ring
 from collectives.errors import HvcommError
 from hvcomm.torch.sums import add_torch
 
@@ -156,3 +158,57 @@ def test_ring_min_bytes_setting(monkeypatch):
     monkeypatch.delenv("HVCOMM_RING_MIN_BYTES")
     assert ring.ring_min_bytes(np.dtype(np.float64)) == ring.RING_MIN_BYTES["wide"]
     assert ring.ring_min_bytes(ring.BFLOAT16) == ring.RING_MIN_BYTES["16-bit"]
+
+
+def test_wait_sleeps_between_polls_until_complete(monkeypatch):
+    """Rank P-1 starts only once rank 0 has slept in wait(): the ranks' waits go through
+    the sleeping polls, and the sum is still the reference's. Each sleep is the first one or
+    twice the one before, never over HVCOMM_WAIT_SLEEP_US."""
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", "1000")
+    signal, sleeps, real_sleep = comm.Dup(), [], time.sleep
+
+    def sleep(seconds):
+        if r == 0 and not sleeps:
+            signal.send("rank 0 sleeps", dest=p - 1)
+        sleeps.append(seconds)
+        real_sleep(seconds)
+    monkeypatch.setattr(time, "sleep", sleep)
+    if r == p - 1 and p > 1:  # (if rank 0 never sleeps, it fails below: no hang)
+        started, request = time.monotonic(), signal.irecv(source=0)
+        while not request.test()[0] and time.monotonic() - started < 60:
+            real_sleep(0.01)
+    xs = inputs(11, (40 * p,), "float32", p)
+    x = xs[r].copy()
+    got = ring.ring_allreduce(comm, x, chunk_bytes=40, check=False)
+    monkeypatch.undo()
+    assert got.tobytes() == ring_reference(xs, "float32").tobytes()
+    if r == 0 and p > 1:
+        assert sleeps, "rank 0 never slept, yet rank P-1 waited for it"
+    for before, now in zip(sleeps, sleeps[1:]):
+        assert now in (handle.FIRST_SLEEP_S, min(2 * before, 1e-3)), sleeps
+    signal.Free()
+
+
+def test_wait_sleep_zero_waits_in_mpi(monkeypatch):
+    """HVCOMM_WAIT_SLEEP_US=0: MPI_Waitall, never the sleeping polls."""
+    def refuse(*args):
+        raise AssertionError("slept with HVCOMM_WAIT_SLEEP_US=0")
+    monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", "0")
+    monkeypatch.setattr(handle, "_sleep_until_complete", refuse)
+    comm = MPI.COMM_WORLD
+    xs = inputs(12, (30,), "float64", comm.Get_size())
+    got = ring.ring_allreduce(comm, xs[comm.Get_rank()].copy(), chunk_bytes=16)
+    assert got.tobytes() == ring_reference(xs, "float64").tobytes()
+
+
+@pytest.mark.parametrize("text", ["soon", "-1", "nan", "inf", "2e6"])
+def test_wait_sleep_setting(monkeypatch, text):
+    monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", text)
+    with pytest.raises(HvcommError, match="HVCOMM_WAIT_SLEEP_US must be"):
+        handle.longest_sleep_s()
+    monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", "250")
+    assert handle.longest_sleep_s() == 250e-6
+    monkeypatch.delenv("HVCOMM_WAIT_SLEEP_US")
+    assert handle.longest_sleep_s() == handle.DEFAULT_SLEEP_US * 1e-6
