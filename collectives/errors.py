@@ -1,8 +1,10 @@
 """One error family for the collectives and hvcomm, and the collective check that makes every
-rank raise together. (Horovod's name for it, ``HorovodInternalError``, lives in hvcomm.torch.)"""
+rank raise together. (Horovod's name for it, ``HorovodInternalError``, lives in hvcomm.torch.)
+Also the reading of the collectives' numeric environment settings."""
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence
+import os
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 
 class HvcommError(RuntimeError, ValueError):
@@ -43,3 +45,22 @@ def check_agree(comm, key: Hashable, what: str, local_error: Optional[str] = Non
         listing = "; ".join(f"rank {r}: {k!r}" for r, k in enumerate(keys))
         raise HvcommError(f"{what}: ranks disagree ({listing}); every rank must pass the same",
                           everywhere=True)
+
+
+def env_number(name: str, default: Any, unit: str, low: int, high: Optional[int] = None,
+               parse: Callable[[str], Any] = float) -> Any:
+    """The setting in environment variable ``name``, ``parse``d (``default`` when unset);
+    HvcommError, naming the variable, its ``unit`` and range, unless it is a number from
+    ``low`` to ``high`` (no upper bound if None)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = parse(text)
+    except ValueError:
+        value = None
+    if value is None or not (low <= value and (high is None or value <= high)):
+        bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise HvcommError(f"{name} must be {unit} {bounds}, got {text!r}; unset it for the "
+                          f"default ({default})")
+    return value

@@ -1,11 +1,10 @@
 """A request-like handle that drives a multi-round schedule written as a generator."""
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Any, Generator, List
 
-from .errors import HvcommError
+from .errors import env_number
 
 if TYPE_CHECKING:  # mpi4py's MPI is imported on first use, so that importing needs no MPI library
     from mpi4py import MPI
@@ -13,10 +12,11 @@ if TYPE_CHECKING:  # mpi4py's MPI is imported on first use, so that importing ne
 Schedule = Generator[List["MPI.Request"], None, Any]
 
 # wait() polls its requests for SPIN_S, then sleeps between polls, FIRST_SLEEP_S first and
-# twice as long each time up to HVCOMM_WAIT_SLEEP_US (default DEFAULT_SLEEP_US). MPI_Waitall
-# would spin for the whole wait (Open MPI yields the core at most), taking CPU from the
-# backward pass and the kernel's network work beside it (results/ddp.md gives each step's
-# CPU time; docs/benchmarks.md compares the two ways of waiting).
+# twice as long each time, never longer than HVCOMM_WAIT_SLEEP_US (default DEFAULT_SLEEP_US).
+# MPI_Waitall would poll without sleeping for the whole wait, taking a core from the backward
+# pass and the kernel's network work beside it (results/ddp.md gives each step's CPU time;
+# docs/benchmarks.md compares the two ways of waiting). Linux's timer slack makes each sleep
+# some 50 us longer than asked.
 SPIN_S = 50e-6
 FIRST_SLEEP_S = 20e-6
 DEFAULT_SLEEP_US = 500
@@ -24,18 +24,9 @@ DEFAULT_SLEEP_US = 500
 
 def longest_sleep_s() -> float:
     """The longest sleep between two polls of :meth:`Pending.wait`, in seconds
-    (HVCOMM_WAIT_SLEEP_US, read at each wait); 0: wait in MPI_Waitall."""
-    text = os.environ.get("HVCOMM_WAIT_SLEEP_US")
-    if text is None:
-        return DEFAULT_SLEEP_US * 1e-6
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1e6:
-        raise HvcommError("HVCOMM_WAIT_SLEEP_US must be a number of microseconds from 0 "
-                          f"(spin in MPI_Waitall) to 1000000, got {text!r}")
-    return value * 1e-6
+    (HVCOMM_WAIT_SLEEP_US, read as each collective starts); 0: wait in MPI_Waitall."""
+    return env_number("HVCOMM_WAIT_SLEEP_US", DEFAULT_SLEEP_US, "a number of microseconds", 0,
+                      1_000_000) * 1e-6
 
 
 class Pending:
@@ -46,6 +37,7 @@ class Pending:
     """
 
     def __init__(self, schedule: Schedule):
+        self._longest_sleep = longest_sleep_s()  # (a bad setting raises before any message)
         self._schedule = schedule
         self._requests: List[MPI.Request] = []
         self._done = False
@@ -69,10 +61,9 @@ class Pending:
         """Block until finished and return the result; between polls of the requests in
         flight sleep up to :func:`longest_sleep_s`."""
         from mpi4py import MPI
-        longest = longest_sleep_s()
         while not self._done:
-            if longest:
-                _sleep_until_complete(self._requests, longest)
+            if self._longest_sleep > 0:
+                _sleep_until_complete(self._requests, self._longest_sleep)
             else:
                 MPI.Request.Waitall(self._requests)
             self._advance()
@@ -83,7 +74,7 @@ def _sleep_until_complete(requests: "List[MPI.Request]", longest: float) -> None
     from mpi4py import MPI
     if MPI.Request.Testall(requests):
         return
-    spin_until, sleep = time.perf_counter() + SPIN_S, FIRST_SLEEP_S
+    spin_until, sleep = time.perf_counter() + SPIN_S, min(FIRST_SLEEP_S, longest)
     while not MPI.Request.Testall(requests):
         if time.perf_counter() >= spin_until:
             time.sleep(sleep)

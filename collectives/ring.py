@@ -21,13 +21,12 @@ to float32 there.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, Optional
 
 import numpy as np
 
 from . import kernels
-from .errors import HvcommError, check_agree
+from .errors import HvcommError, check_agree, env_number
 from .handle import Pending, completed
 from .workspace import Workspace, pooled
 
@@ -77,16 +76,8 @@ def numpy_add(kind) -> Add:
 def ring_min_bytes(kind=np.dtype(np.float32)) -> int:
     """The size from which :func:`use_ring` picks the ring for ``kind``
     (HVCOMM_RING_MIN_BYTES, or the measured :data:`RING_MIN_BYTES`)."""
-    text = os.environ.get("HVCOMM_RING_MIN_BYTES")
-    if text is None:
-        return RING_MIN_BYTES["16-bit" if kind in (FLOAT16, BFLOAT16) else "wide"]
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise HvcommError(f"HVCOMM_RING_MIN_BYTES must be a byte count >= 0, got {text!r}")
-    return value
+    default = RING_MIN_BYTES["16-bit" if kind in (FLOAT16, BFLOAT16) else "wide"]
+    return env_number("HVCOMM_RING_MIN_BYTES", default, "a whole number of bytes", 0, parse=int)
 
 
 def use_ring(nbytes: int, size: int, kind=np.dtype(np.float32)) -> bool:

@@ -216,9 +216,9 @@ def main() -> None:
                      hvcomm="DistributedOptimizer defaults (Compression.none, .fp16, "
                             f".powersgd(rank={RANK})), 25 MiB buckets for every method",
                      threads="OMP_NUM_THREADS=1, torch.set_num_threads(1), both tools",
-                     cpu="CPU per step: a rank's process CPU time (user + system, all its "
-                         "threads) over the step, the mean over ranks, the median over all "
-                         "timed steps of the runs",
+                     **{"CPU per step": "a rank's process CPU time (user + system, all its "
+                                        "threads) over the step, the mean over ranks, the "
+                                        "median over all timed steps of the runs"},
                      bound="ring transfer of the method's bytes, 2(P-1)/P x bytes / link rate "
                            f"(dense {_wire_bytes('dense') / 1e6:.1f} MB, fp16 "
                            f"{_wire_bytes('fp16') / 1e6:.1f} MB, PowerSGD "

@@ -42,6 +42,9 @@ def setting(**extra) -> Dict[str, str]:
             "commit": commit(), "mpi": mpi_library(), "python": platform.python_version(),
             "machine": f"{platform.machine()}, {_cpus()} cores", "cpu": cpu_model(),
             "torch cpu capability": torch_cpu_capability(), "kernels": launch.kernels_in_use()}
+    clash = base.keys() & extra.keys()
+    if clash:
+        raise ValueError(f"setting(): {sorted(clash)} are recorded already; name yours apart")
     base.update({k: str(v) for k, v in extra.items()})
     return base
 

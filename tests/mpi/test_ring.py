@@ -160,43 +160,63 @@ def test_ring_min_bytes_setting(monkeypatch):
     assert ring.ring_min_bytes(ring.BFLOAT16) == ring.RING_MIN_BYTES["16-bit"]
 
 
-def test_wait_sleeps_between_polls_until_complete(monkeypatch):
-    """Rank P-1 starts only once rank 0 has slept in wait(): the ranks' waits go through
-    the sleeping polls, and the sum is still the reference's. Each sleep is the first one or
-    twice the one before, never over HVCOMM_WAIT_SLEEP_US."""
+class _Clock:
+    """Stands in for the time module in collectives.handle: records each sleep; ``on_sleep``
+    runs before the first."""
+
+    def __init__(self, on_sleep=None):
+        self.sleeps, self.on_sleep, self.perf_counter = [], on_sleep, time.perf_counter
+
+    def sleep(self, seconds):
+        if self.on_sleep is not None and not self.sleeps:
+            self.on_sleep()
+        self.sleeps.append(seconds)
+        time.sleep(seconds)
+
+
+@pytest.mark.parametrize("longest_us", ["1000", "5"])
+def test_wait_sleeps_between_polls_until_complete(monkeypatch, longest_us):
+    """Rank P-1 starts only once rank 0 has slept in wait() (rank 0 receives from it, so
+    its first wait cannot end before): the waits go through the sleeping polls, and the sum
+    is still the reference's. The first sleep is FIRST_SLEEP_S, each later one the first again
+    (a new wait) or twice the one before, never over HVCOMM_WAIT_SLEEP_US."""
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
-    monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", "1000")
-    signal, sleeps, real_sleep = comm.Dup(), [], time.sleep
-
-    def sleep(seconds):
-        if r == 0 and not sleeps:
-            signal.send("rank 0 sleeps", dest=p - 1)
-        sleeps.append(seconds)
-        real_sleep(seconds)
-    monkeypatch.setattr(time, "sleep", sleep)
-    if r == p - 1 and p > 1:  # (if rank 0 never sleeps, it fails below: no hang)
-        started, request = time.monotonic(), signal.irecv(source=0)
-        while not request.test()[0] and time.monotonic() - started < 60:
-            real_sleep(0.01)
-    xs = inputs(11, (40 * p,), "float32", p)
-    x = xs[r].copy()
-    got = ring.ring_allreduce(comm, x, chunk_bytes=40, check=False)
-    monkeypatch.undo()
+    longest = float(longest_us) * 1e-6
+    monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", longest_us)
+    signal = comm.Dup()
+    clock = _Clock(lambda: signal.send("rank 0 sleeps", dest=p - 1) if r == 0 else None)
+    monkeypatch.setattr(handle, "time", clock)
+    arrived = True
+    try:
+        if r == p - 1 and p > 1:  # (if rank 0 never sleeps: a failure below, not a hang)
+            started, request = time.monotonic(), signal.irecv(source=0)
+            while not (arrived := request.test()[0]) and time.monotonic() - started < 60:
+                time.sleep(0.01)
+            if not arrived:
+                request.Cancel()
+        xs = inputs(11, (40 * p,), "float32", p)
+        # check=False: the agreement's allgather would wait for rank P-1 before any message
+        got = ring.ring_allreduce(comm, xs[r].copy(), chunk_bytes=40, check=False)
+    finally:
+        signal.Free()
+    assert arrived, "rank 0's wait() never slept: rank P-1 gave up waiting for it after 60 s"
     assert got.tobytes() == ring_reference(xs, "float32").tobytes()
+    sleeps, first = clock.sleeps, min(20e-6, longest)
     if r == 0 and p > 1:
-        assert sleeps, "rank 0 never slept, yet rank P-1 waited for it"
+        assert sleeps and sleeps[0] == first, sleeps
     for before, now in zip(sleeps, sleeps[1:]):
-        assert now in (handle.FIRST_SLEEP_S, min(2 * before, 1e-3)), sleeps
-    signal.Free()
+        assert now in (first, min(2 * before, longest)), sleeps
 
 
 def test_wait_sleep_zero_waits_in_mpi(monkeypatch):
-    """HVCOMM_WAIT_SLEEP_US=0: MPI_Waitall, never the sleeping polls."""
-    def refuse(*args):
+    """HVCOMM_WAIT_SLEEP_US=0: MPI_Waitall, never a sleep."""
+    def refuse(seconds):
         raise AssertionError("slept with HVCOMM_WAIT_SLEEP_US=0")
     monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", "0")
-    monkeypatch.setattr(handle, "_sleep_until_complete", refuse)
+    clock = _Clock()
+    clock.sleep = refuse
+    monkeypatch.setattr(handle, "time", clock)
     comm = MPI.COMM_WORLD
     xs = inputs(12, (30,), "float64", comm.Get_size())
     got = ring.ring_allreduce(comm, xs[comm.Get_rank()].copy(), chunk_bytes=16)
@@ -205,10 +225,12 @@ def test_wait_sleep_zero_waits_in_mpi(monkeypatch):
 
 @pytest.mark.parametrize("text", ["soon", "-1", "nan", "inf", "2e6"])
 def test_wait_sleep_setting(monkeypatch, text):
+    """A bad setting raises as the collective starts, before any message."""
     monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", text)
     with pytest.raises(HvcommError, match="HVCOMM_WAIT_SLEEP_US must be"):
-        handle.longest_sleep_s()
-    monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", "250")
-    assert handle.longest_sleep_s() == 250e-6
+        ring.iring_allreduce(MPI.COMM_WORLD, np.ones(8, np.float32), check=False)
+    for setting, seconds in (("250", 250e-6), ("0", 0.0), ("1000000", 1.0)):
+        monkeypatch.setenv("HVCOMM_WAIT_SLEEP_US", setting)
+        assert handle.longest_sleep_s() == seconds
     monkeypatch.delenv("HVCOMM_WAIT_SLEEP_US")
-    assert handle.longest_sleep_s() == handle.DEFAULT_SLEEP_US * 1e-6
+    assert handle.longest_sleep_s() == 500e-6
