@@ -46,39 +46,38 @@ def _model():
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
-def _cpu_s() -> float:
-    """This process's CPU time so far, every thread, user and system (``os.times`` counts
-    in 10 ms clock ticks; this in nanoseconds)."""
-    return time.process_time()
-
-
 def _time_steps(comm, step, x, steps: int):
-    """Per step: (the slowest rank's wall time, the ranks' mean CPU time), in seconds."""
-    from mpi4py import MPI
-    times = []
+    """Per step: (the slowest rank's wall time, the ranks' mean CPU time), in seconds. The
+    steps run back to back after one barrier, each timed from the start of one to the start
+    of the next, so no communication still under way when ``step`` returns (an update left
+    to the next forward) goes untimed."""
+    comm.Barrier()
+    marks = [(time.perf_counter(), time.process_time())]
     for _ in range(steps):
-        comm.Barrier()
-        t0, c0 = time.perf_counter(), _cpu_s()
         step(x)
-        wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
-        times.append((comm.allreduce(wall, op=MPI.MAX), comm.allreduce(cpu) / comm.size))
-    return times
+        marks.append((time.perf_counter(), time.process_time()))
+    mine = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+    every = comm.allgather(mine)
+    return [(max(r[k][0] for r in every), sum(r[k][1] for r in every) / len(every))
+            for k in range(steps)]
 
 
-def _hvcomm_run(hvd, method: str):
+def _hvcomm_run(hvd, method: str, at_forward: bool):
+    """``at_forward``: ``model=model``, each step's update applied at the next forward (a
+    step's time then holds the previous step's communication that the forward waits for)."""
     import torch
     model = _model()
     compression = {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16,
                    "powersgd": hvd.Compression.powersgd(rank=RANK)}[method]
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                    named_parameters=model.named_parameters(),
-                                   compression=compression)
+                                   compression=compression, model=model if at_forward else None)
 
     def step(x):
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-    return step, lambda: opt.close() if hasattr(opt, "close") else None
+    return step, opt.finish_pending  # the last step's update, before the next run
 
 
 def _ddp_run(method: str):
@@ -123,7 +122,8 @@ def worker(args) -> None:
     for _ in range(args.repeats):
         for method in args.methods:
             for tool in ("hvcomm", "DDP"):
-                step, close = _hvcomm_run(hvd, method) if tool == "hvcomm" else _ddp_run(method)
+                step, close = (_hvcomm_run(hvd, method, args.at_forward) if tool == "hvcomm"
+                               else _ddp_run(method))
                 times = _time_steps(comm, step, x, steps)[args.warmup:]
                 close()
                 runs[f"{tool} {method}"].append(statistics.median(w for w, _ in times))
@@ -172,6 +172,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--at-forward", action="store_true",
+                    help="hvcomm with model=model: each update applied at the next forward")
     ap.add_argument("--name", default="ddp")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -186,7 +188,8 @@ def main() -> None:
             res = report.run_worker(p, [__file__, "--worker", "--batch",
                                         str(args.batch), "--warmup", str(args.warmup),
                                         "--iters", str(args.iters), "--repeats",
-                                        str(args.repeats), "--methods", *args.methods],
+                                        str(args.repeats), "--methods", *args.methods,
+                                        *(["--at-forward"] if args.at_forward else [])],
                                     timeout=3000, out=tmp / f"{net}-{p}.json", net=net)
             new = rows_for(net, net_asked, p, res, args.methods)
             for r in new:
@@ -213,7 +216,10 @@ def main() -> None:
                          "gloo). hvcomm.torch.init() keeps freed memory in the process "
                          "(HVCOMM_KEEP_FREED_MEMORY); DDP, in the same processes, has it too",
                      hvcomm="DistributedOptimizer defaults (Compression.none, .fp16, "
-                            f".powersgd(rank={RANK})), 25 MiB buckets for every method",
+                            f".powersgd(rank={RANK})), 25 MiB buckets for every method"
+                            + (", and model=model: each step's update applied at the next "
+                               "forward, the buckets nearest-the-output first, then from the "
+                               "input on" if args.at_forward else ""),
                      threads="OMP_NUM_THREADS=1, torch.set_num_threads(1), both tools",
                      **{"CPU per step": "a rank's process CPU time (user + system, all its "
                                         "threads) over the step, the mean over ranks, the "

@@ -150,14 +150,13 @@ class _DistributedMixin:
         if self._hooks_fired:
             raise HvcommError("optimizer.zero_grad() was called after loss.backward() but before "
                               "optimizer.step() or optimizer.synchronize(); call step() first")
-        self._strategy.zero_grad()
         return super().zero_grad(set_to_none)
 
     def finish_pending(self) -> None:
         """Apply every update still pending, so the model holds the synchronised weights.
 
-        P3 with ``model=``: the updates deferred to the next forward (applied by themselves
-        before the next backward, ``state_dict()`` and the model's ``state_dict()``).
+        ``model=``: the updates deferred to the next forward (applied by themselves before the
+        next backward, ``state_dict()`` and the model's ``state_dict()``).
         ``delay=``: waits for the last step's allreduce, advances the global weights with it
         and sets the local weights to them (the next step then starts from W; the same on
         every rank). ``delay=LocalSGD/DiLoCo``: applies the exchanges under way and sets the
@@ -175,7 +174,7 @@ class _DistributedMixin:
         (PowerSGD's Q factors) and the delayed modes' state. Only the residuals
         (:data:`PER_RANK_STATE`) differ between ranks: save one checkpoint per rank to resume
         exactly."""
-        ours = self._strategy.state_dict()  # first: it may apply a pending (P3) update
+        ours = self._strategy.state_dict()  # first: it may apply a pending (model=) update
         state = super().state_dict()
         state["hvcomm"] = ours
         return state
@@ -229,8 +228,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     planned ones ("mgwfbp", "merge_rule", "wfbp", "single", "threshold") plan the buckets
     from a profile of the first iterations (see
     :class:`hvcomm.torch.methods.schedule.GroupingPlanner`); "p3" sends priority slices of
-    ``slice_elems`` elements, and with ``model=`` defers the update to each module's next
-    forward (see :mod:`hvcomm.torch.methods.p3`).
+    ``slice_elems`` elements (see :mod:`hvcomm.torch.methods.p3`).
+
+    ``model`` (with ``schedule=None`` or "p3"): ``step()`` returns at once and each module's
+    next forward applies the update of the parameters it owns, waiting only for their
+    buckets (launched nearest-the-output first, then from the input on:
+    :func:`hvcomm.torch.methods.sync.forward_first`) or P3's slices, so the communication
+    overlaps the next forward; for torch.optim's per-parameter optimizers (see
+    :class:`hvcomm.torch.methods.strategy.NextForward`).
 
     ``delay`` (a delay method's name, "od-sgd", "ssd-sgd", "cd-sgd", or a
     :class:`hvcomm.torch.Delay`) turns on delayed synchronisation (see

@@ -18,8 +18,8 @@ from .methods.compressor import Compressor, is_native, sends_as_is
 from .methods.request import Request
 from .methods.buckets import ONE_BUCKET_BYTES
 from .methods.delayed import as_delay
-from .methods.strategy import BaseStep, Strategy
-from .methods.sync import Setup
+from .methods.strategy import BaseStep, Strategy, model_problem
+from .methods.sync import Setup, forward_first
 from .ops import Adasum, Average, Sum
 from .process_sets import ProcessSet, global_process_set
 from .runtime import runtime
@@ -101,7 +101,7 @@ class Options:
         problem = _local_problem(self, optimizer)
         if problem is not None:
             return problem
-        request = Request(self, trainable(optimizer), size)
+        request = Request(self, trainable(optimizer), size, optimizer)
         if is_native(self.compression):
             problem = self.compression.problem(request)
         if problem is None:
@@ -175,9 +175,14 @@ def _schedule_problem(request: Request) -> Optional[str]:
     if o.schedule is not None and o.schedule not in schedules:
         return f"schedule must be one of {schedules} (or None), got {o.schedule!r}"
     method = None if o.schedule is None else methods.get(o.schedule)
-    if o.model is not None and not (method and method.takes_model):
+    if o.model is not None and method is not None and not method.takes_model:
         takers = [n for n in methods.names("schedule") if methods.get(n).takes_model]
-        return f"model= is used by schedule={' or '.join(map(repr, takers))} only"
+        return (f"model= is used by schedule={' or '.join(map(repr, takers))} or None "
+                f"(the fusion threshold's buckets) only, not {o.schedule!r}")
+    if o.model is not None and method is None:
+        if o.delay is not None:
+            return "model= and delay= cannot be combined: delay= already defers the averaging"
+        return model_problem(o.model, request.params, request.optimizer)
     return None if method is None else method.problem(request)
 
 
@@ -216,6 +221,8 @@ def make_strategy(o: Options, params, names, opt: torch.optim.Optimizer,
         return methods.get(o.schedule, "schedule").strategy(setup)
     if o.delay is not None:
         return o.delay.method.strategy(setup)
+    if o.model is not None:
+        return setup.synchronous(forward_first(setup.fusion_groups()), model=o.model)
     return setup.synchronous(setup.fusion_groups())
 
 

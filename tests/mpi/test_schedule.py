@@ -31,6 +31,10 @@ def started():
     *(pytest.param(schedule, False, {}, id=schedule) for schedule in PLANNED),
     pytest.param("p3", False, dict(slice_elems=37), id="p3-no-model"),
     pytest.param("p3", True, dict(slice_elems=37), id="p3-model-deferred-updates"),
+    pytest.param(None, True, dict(fusion_threshold_bytes=1), id="buckets-model-deferred"),
+    pytest.param(None, True, dict(fusion_threshold_bytes=200,
+                                  compression=hvd.Compression.topk(1.0, scope="bucket")),
+                 id="topk-density-1-model-deferred"),
 ])
 def test_matches_serial(schedule, with_model, kw):
     kw = dict(kw)  # the parameter's own dict stays as it is
@@ -65,19 +69,70 @@ def test_matches_serial(schedule, with_model, kw):
         assert opt.comm_stats.messages >= slices
 
 
-def train_distributed_with(steps, model=None, **kw):
+def train_distributed_with(steps, model=None, zero="optimizer", net=None, after_step=None,
+                           sched=False, **kw):
+    """train_distributed, or with ``model="model"`` the same passing model= (``net``, default
+    a Net), the gradients zeroed by ``zero``: "optimizer" (its zero_grad()), "model" (the
+    model's, which the optimizer does not see) or "model-to-zeros" (the model's,
+    set_to_none=False); ``after_step(opt, s)`` after each step; ``sched``: train_distributed's
+    StepLR, stepped after each step."""
     if model != "model":
-        return train_distributed(steps, **kw)
+        return train_distributed(steps, sched=sched, **kw)
     r = hvd.rank()
-    net = Net()
+    net = Net() if net is None else net
     opt = hvd.DistributedOptimizer(make_opt(net), named_parameters=net.named_parameters(),
                                    model=net, **kw)
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5) if sched else None
     for s in range(steps):
         x, y = data(s, hvd.size())
-        opt.zero_grad()
+        if zero == "optimizer":
+            opt.zero_grad()
+        else:
+            net.zero_grad(set_to_none=zero == "model")
         torch.nn.functional.cross_entropy(net(shard(x, r)), shard(y, r)).backward()
         opt.step()
+        if lr_sched:
+            lr_sched.step()
+        if after_step is not None:
+            after_step(opt, s)
     return net, opt
+
+
+@pytest.mark.parametrize("zero", ["model", "model-to-zeros"])
+@pytest.mark.parametrize("schedule, kw", [("p3", dict(slice_elems=37)),
+                                          (None, dict(fusion_threshold_bytes=1))])
+def test_deferred_update_with_model_zero_grad(schedule, kw, zero):
+    """The update deferred to the next forward leaves .grad as the user left it: gradients
+    zeroed by the model between step() and the forward (not through the optimizer) stay
+    zeroed, so the next backward starts from zero, as in the serial loop."""
+    model, opt = train_distributed_with(STEPS, model="model", zero=zero, schedule=schedule, **kw)
+    opt.finish_pending()
+    assert_same_everywhere(model)
+    assert_close(model, train_serial(STEPS))
+
+
+def test_deferred_update_waits_for_the_forward():
+    """With model= the buckets go nearest-the-output first, then from the input on; step()
+    returns before the update, which each module's forward applies to its own parameters
+    (the others stay as they were until theirs); the model's state_dict() applies it all."""
+    r = hvd.rank()
+    net, reference = Net(), Net()
+    opt = hvd.DistributedOptimizer(make_opt(net), named_parameters=net.named_parameters(),
+                                   model=net, fusion_threshold_bytes=1)
+    assert opt.plan == [["head.bias"], ["fc1.weight"], ["fc1.bias"], ["fc2.weight"],
+                        ["fc2.bias"], ["head.weight"]]
+    x, y = data(0, hvd.size())
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(shard(x, r)), shard(y, r)).backward()
+    opt.step()
+    assert_close(net, reference, tol=0)  # nothing updated yet
+    net.fc1(torch.zeros(1, 10))  # fc1's forward alone
+    stepped = train_serial(1)
+    assert torch.equal(net.fc2.weight, reference.fc2.weight)
+    assert torch.allclose(net.fc1.weight, stepped.fc1.weight, atol=1e-10, rtol=0)
+    assert not torch.allclose(net.fc1.weight, reference.fc1.weight, atol=1e-6)
+    net.state_dict()
+    assert_close(net, stepped)
 
 
 class Tied(torch.nn.Module):
@@ -99,11 +154,14 @@ class Tied(torch.nn.Module):
         return self.out(h)
 
 
-@pytest.mark.parametrize("schedule", methods.names("schedule"))
+@pytest.mark.parametrize("schedule", [*methods.names("schedule"), "model="])
 def test_unused_branch_and_shared_weight(schedule):
+    """("model=": the fusion threshold's buckets, one tensor each, updated at the forward.)"""
     r = hvd.rank()
     model = Tied()
-    kw = {"model": model, "slice_elems": 50} if schedule == "p3" else {}
+    kw = ({"model": model, "slice_elems": 50} if schedule == "p3" else
+          {"model": model, "fusion_threshold_bytes": 1} if schedule == "model=" else {})
+    schedule = None if schedule == "model=" else schedule
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(),
                                    schedule=schedule, **kw)
@@ -115,7 +173,78 @@ def test_unused_branch_and_shared_weight(schedule):
         opt.step()
     opt.finish_pending()
     assert_same_everywhere(model)
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_close(model, tied_serial(STEPS, hvd.size()))
+
+
+def tied_serial(steps, size):
+    """The reference of the Tied runs: one process, each simulated rank's gradient in turn
+    (the branch only where that rank used it), their mean as the gradient."""
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(steps):
+        x, y = data(s, size)
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for r in range(size):
+            model.zero_grad()
+            use = (r == 0 and s % 2 == 0)
+            torch.nn.functional.cross_entropy(model(shard(x, r), use), shard(y, r)).backward()
+            for t, p in zip(total, model.parameters()):
+                if p.grad is not None:
+                    t += p.grad
+        for t, p in zip(total, model.parameters()):
+            p.grad = t / size
+        opt.step()
+    return model
+
+
+class Attending(torch.nn.Module):
+    """nn.MultiheadAttention uses its out_proj's parameters without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = torch.nn.Linear(5, 8)
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x.view(len(x), 2, 5)))
+        return self.out(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+def test_deferred_update_learns_which_forward_uses_a_parameter():
+    """A parameter used by its module's parent (out_proj's, by the attention) is updated
+    before the parent's forward: the weights follow the serial loop, with no in-place error
+    in the backward."""
+    serial = Attending()
+    ref = make_opt(serial)
+
+    def serial_step(_opt, s):
+        x, y = data(s, hvd.size())
+        ref.zero_grad()
+        torch.nn.functional.cross_entropy(serial(x), y).backward()
+        ref.step()
+    net, opt = train_distributed_with(STEPS, model="model", net=Attending(),
+                                      after_step=serial_step, fusion_threshold_bytes=1)
+    opt.finish_pending()
+    assert_close(net, serial)
+
+
+def test_deferred_update_keeps_its_steps_learning_rate():
+    """A StepLR stepped after step() changes the learning rate of the next step, not of the
+    update still waiting for the forward."""
+    net, opt = train_distributed_with(STEPS, model="model", sched=True, fusion_threshold_bytes=1)
+    opt.finish_pending()
+    assert_close(net, train_serial(STEPS, sched=True))
+
+
+def test_deferred_update_changes_no_compressed_weight():
+    """Top-k at density 0.3 with error feedback: updated at the forward, in forward_first
+    order, the weights are those of the same run updated in step()."""
+    kw = dict(compression=hvd.Compression.topk(0.3, scope="bucket"), fusion_threshold_bytes=200)
+    deferred, opt = train_distributed_with(STEPS, model="model", **kw)
+    opt.finish_pending()
+    assert_close(deferred, train_distributed(STEPS, **kw)[0], tol=1e-12)
 
 
 def test_residuals_survive_replanning():
@@ -206,8 +335,17 @@ def test_bad_schedules_raise_on_every_rank():
     expect_everywhere(lambda: build(schedule="mgwfbp", compression=hvd.Compression.topk(0.1)),
                       "scope='bucket'")
     expect_everywhere(lambda: build(schedule="p3", slice_elems=0), "slice_elems")
-    expect_everywhere(lambda: build(schedule="wfbp", model=Net()), "schedule='p3' only")
+    expect_everywhere(lambda: build(schedule="wfbp", model=Net()), "schedule='p3' or None")
     expect_everywhere(lambda: build(schedule="p3", model=Net()), "must own every parameter")
+    expect_everywhere(lambda: build(model=Net()), "must own every parameter")
+    expect_everywhere(lambda: build(model=42), "must be a torch.nn.Module")
+    expect_everywhere(lambda: build(model=Net(), delay="od-sgd"), "cannot be combined")
+
+    class Scaled(torch.optim.SGD):  # a subclass may do anything in step()
+        pass
+    m = Net()
+    expect_everywhere(lambda: hvd.DistributedOptimizer(Scaled(m.parameters(), lr=0.1), model=m),
+                      "per-parameter optimizers")
 
 
 def test_p3_a_collective_that_would_hang_raises():

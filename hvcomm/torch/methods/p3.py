@@ -16,6 +16,7 @@ no collective is mismatched, whatever the timing.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import threading
@@ -29,7 +30,8 @@ from .base import ScheduleMethod
 from .compressor import sends_as_is
 from .payload import ring_bytes
 from .buckets import CommStats, as_numpy, flat_grad
-from .strategy import BaseStep, Strategy, in_flight_error, update_only
+from .strategy import (BaseStep, NextForward, Strategy, in_flight_error, may_update_in_parts,
+                       model_problem)
 
 
 def priority_key(tensor_index: int) -> int:
@@ -139,7 +141,8 @@ class P3(Strategy):
     ``synchronize()`` waits for every slice. With ``model``, ``step()`` hands the round over
     and returns; each module's next forward (a pre-hook) applies the update of the
     parameters it owns, waiting only for their slices. ``optimizer`` is the
-    DistributedOptimizer, whose param_groups a partial update narrows for a moment."""
+    DistributedOptimizer, whose param_groups a partial update narrows for a moment
+    (:class:`hvcomm.torch.methods.strategy.NextForward`)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  base_step: BaseStep, engine, optimizer: torch.optim.Optimizer,
@@ -149,18 +152,13 @@ class P3(Strategy):
         self._engine, self._optimizer, self.slice_elems = engine, optimizer, slice_elems
         self.comm_stats, self.steps = CommStats(), 0
         self.predivide, self.scale = predivide, scale
-        self._index = {p: i for i, p in enumerate(self.params)}
         self._round: Optional[P3Round] = None      # this iteration's gradients
         self._round_handle = None
-        self._deferred: Optional[P3Round] = None   # last iteration's, applied module by module
-        self._deferred_left: set = set()
-        self._zeroed_since_step = False
-        self._module_hooks: list = []
-        if model is not None:
-            self._attach(model)
+        self._next_forward = (None if model is None else
+                              NextForward(model, self.params, optimizer, base_step))
 
     def on_grad(self, i: int) -> None:
-        self._finish_deferred()  # a parameter used before its owner's forward
+        self.finish_pending()  # a parameter used before its owner's forward
         if self._round is None:
             self._round = P3Round([p.numel() for p in self.params], self.names,
                                   self.slice_elems)
@@ -180,22 +178,22 @@ class P3(Strategy):
         self._engine.close_stream()
         return r
 
-    def _collect(self, r: P3Round, indices) -> None:
-        """Wait for these parameters' sums and put the average into .grad."""
-        with timeline.measure("wait"):
-            for i in sorted(indices):
-                total = r.wait(i)
-                self.params[i].grad = (total * self.scale if self.scale != 1.0
-                                       else total).view_as(self.params[i])
+    def _averages(self, r: P3Round, indices):
+        """Wait for these parameters' sums: (position, the average in its shape)."""
+        for i in sorted(indices):
+            total = r.wait(i)
+            yield i, (total * self.scale if self.scale != 1.0 else total).view_as(self.params[i])
 
     def _round_stats(self, r: P3Round) -> CommStats:
         self._round_handle.wait()
         return CommStats(r.messages + r.negotiations, r.payload_bytes, r.sent_bytes)
 
     def synchronize(self) -> None:
-        self._finish_deferred()
+        self.finish_pending()
         r = self._close()
-        self._collect(r, range(len(self.params)))
+        with timeline.measure("wait"):
+            for i, average in self._averages(r, range(len(self.params))):
+                self.params[i].grad = average
         self.comm_stats = self._round_stats(r)
         self.steps += 1
 
@@ -204,65 +202,22 @@ class P3(Strategy):
             return self.base_step(closure)
 
     def step(self, closure=None):
-        if not self._module_hooks or closure is not None:
+        if (self._next_forward is None or closure is not None
+                or not may_update_in_parts(self._optimizer, self.params)):
             return super().step(closure)
-        self._finish_deferred()
-        self._deferred = self._close()
-        self._deferred_left = set(range(len(self.params)))
-        self._zeroed_since_step = False
+        self.finish_pending()
+        r = self._close()
+        self._next_forward.defer(functools.partial(self._averages, r),
+                                 done=lambda: setattr(self, "comm_stats", self._round_stats(r)))
         self.steps += 1
         return None
 
-    def zero_grad(self) -> None:
-        self._zeroed_since_step = True
-
-    # -- deferred updates (model=) ------------------------------------------------------------
-    def _attach(self, model: torch.nn.Module) -> None:
-        for module in model.modules():
-            owned = {self._index[p] for p in module.parameters(recurse=False)
-                     if p in self._index}
-            if owned:
-                self._module_hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _inp, owned=owned: self._apply_deferred(owned)))
-        self._module_hooks.append(model.register_state_dict_pre_hook(
-            lambda *_a, **_k: self._finish_deferred()))
-
-    def _apply_deferred(self, indices) -> None:
-        todo = self._deferred_left & set(indices)
-        if not todo or self._deferred is None:
-            return
-        r = self._deferred
-        params = [self.params[i] for i in sorted(todo)]
-        saved = [p.grad for p in params]
-        self._collect(r, todo)
-        self._deferred_left -= todo
-        if not self._deferred_left:
-            self._deferred = None
-            self.comm_stats = self._round_stats(r)
-        with timeline.measure("update", params=len(params)):
-            update_only(self._optimizer, self.base_step, params)
-        if self._zeroed_since_step:
-            for p, g in zip(params, saved):
-                p.grad = g
-
-    def _finish_deferred(self) -> None:
-        if self._deferred is not None:
-            self._apply_deferred(set(self._deferred_left))
-
-    def finish_pending(self) -> None:
-        self._finish_deferred()
-
-    def close(self) -> None:
-        for hook in self._module_hooks:
-            hook.remove()
-        self._module_hooks.clear()
-
     def state_dict(self):
-        self._finish_deferred()
+        self.finish_pending()
         return {"step": self.steps, "residuals_by_param": {}}
 
     def load_state_dict(self, state) -> None:
-        self._finish_deferred()
+        self.finish_pending()
         if self._round is not None:
             raise in_flight_error()
         if state is not None:
@@ -337,11 +292,7 @@ class P3Schedule(ScheduleMethod):
             return ("schedule='p3' cannot send bfloat16 gradients; use a merging schedule "
                     "such as 'mgwfbp', or none")
         if o.model is not None:
-            if not isinstance(o.model, torch.nn.Module):
-                return f"model must be a torch.nn.Module, got {type(o.model).__name__}"
-            owned = {id(p) for p in o.model.parameters()}
-            if not all(id(p) in owned for p in params):
-                return "model= must own every parameter of the optimizer"
+            return model_problem(o.model, params, request.optimizer)
         return None
 
     def strategy(self, setup):

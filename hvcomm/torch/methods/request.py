@@ -12,10 +12,12 @@ class Request:
     """What every method's ``problem(request) -> Optional[str]`` judges (its first reason it
     cannot serve, on this rank, or None): the DistributedOptimizer's options
     (:class:`hvcomm.torch.options.Options`; None where a compressor alone is asked), the
-    parameters it trains and the number of ranks that average them."""
+    parameters it trains, the number of ranks that average them and the optimizer given to
+    wrap."""
     options: Any = None
     params: Sequence[torch.nn.Parameter] = ()
     size: int = 1
+    optimizer: Any = None
 
     @property
     def dtypes(self) -> set:

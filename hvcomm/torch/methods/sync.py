@@ -15,8 +15,8 @@ from .compressor import Compressor
 from .memory import ErrorFeedback
 from .none import NoneCompressor
 from .reducer import InFlight, Reducer
-from .strategy import (BaseStep, Strategy, in_flight_error, may_update_in_parts,
-                       update_only)
+from .strategy import (BaseStep, NextForward, Strategy, in_flight_error,
+                       may_update_in_parts, update_only)
 
 Launched = List[Tuple[Bucket, InFlight]]
 
@@ -29,7 +29,10 @@ class Synchronous(Strategy):
     communicator (default: every rank). ``adasum``: buckets are combined by Adasum instead
     of summed. ``memory``: the error-feedback residuals (default: its own). ``optimizer``: the
     DistributedOptimizer, given where ``step()`` may update each bucket's parameters as soon
-    as that bucket is averaged (:meth:`step`)."""
+    as that bucket is averaged (:meth:`step`). ``model``: ``step()`` returns once the
+    buckets are handed over, and each module's next forward applies the update of the
+    parameters it owns as their buckets arrive (:class:`NextForward`; launch the buckets in
+    :func:`forward_first` order for it to overlap)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  base_step: BaseStep, engine, compression: Compressor,
@@ -37,9 +40,12 @@ class Synchronous(Strategy):
                  scale: float = 1.0, plans=None,
                  dense_at: Callable[[int], bool] = lambda step: False, comm=None,
                  adasum: bool = False, memory: Optional[ErrorFeedback] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None):
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 model: Optional[torch.nn.Module] = None):
         super().__init__(params, names, base_step)
         self._optimizer = optimizer
+        self._next_forward = (None if model is None else
+                              NextForward(model, self.params, optimizer, base_step))
         self.memory = ErrorFeedback() if memory is None else memory
         self.comm_stats, self.steps = CommStats(), 0
         self._reducer = Reducer(engine, compression, self.memory, comm, adasum)
@@ -65,6 +71,7 @@ class Synchronous(Strategy):
 
     # -- during backward ---------------------------------------------------------------------
     def on_grad(self, i: int) -> None:
+        self.finish_pending()  # a parameter used before its owner's forward
         if self.plans is not None:
             self.plans.grad_ready(i)
         self._bucket_of[i].ready += 1
@@ -125,6 +132,7 @@ class Synchronous(Strategy):
 
     # -- Horovod's synchronize / step --------------------------------------------------------
     def synchronize(self) -> None:
+        self.finish_pending()
         launched = self.take_launched()
         with timeline.measure("wait"):
             for _ in self.collect(launched, into_grads=True):
@@ -150,6 +158,9 @@ class Synchronous(Strategy):
                 or len(self.buckets) < 2
                 or not may_update_in_parts(self._optimizer, self.params)):
             return super().step(closure)
+        if self._next_forward is not None:
+            self._defer()
+            return None
         buckets = self.collect_buckets(self.take_launched(), into_grads=True)
         try:
             while True:
@@ -169,6 +180,22 @@ class Synchronous(Strategy):
         self._after_update()
         return None
 
+    def _defer(self) -> None:
+        """Launch what the hooks did not and leave the buckets to the next forward
+        (``model=``). The last step's update first: its buckets settle the residuals this
+        step's launches read."""
+        self.finish_pending()
+        buckets = self.collect_buckets(self.take_launched())
+
+        def averages(wanted):
+            wanted = set(wanted)
+            while wanted:
+                _, averaged = next(buckets)
+                wanted.difference_update(i for i, _ in averaged)
+                yield from averaged
+        self._next_forward.defer(averages, done=lambda: next(buckets, None))
+        self.steps += 1
+
     def _after_update(self) -> None:
         if self.plans is not None:
             groups = self.plans.after_step(self.comm_end)
@@ -177,6 +204,7 @@ class Synchronous(Strategy):
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
+        self.finish_pending()
         state = {"step": self.steps, "residuals_by_param": self.memory.state_dict()}
         compressor = self._reducer.compressor.state_dict()
         if compressor is not None:
@@ -184,6 +212,7 @@ class Synchronous(Strategy):
         return state
 
     def load_state_dict(self, state) -> None:
+        self.finish_pending()
         if any(b.pending is not None for b in self.buckets):
             raise in_flight_error()
         if state is not None:
@@ -222,8 +251,17 @@ class Setup:
 
     def synchronous(self, groups: Sequence[Sequence[int]], **kw) -> Synchronous:
         """Bucketed averaging of ``groups`` with the options' compressor (``kw``: ``plans``,
-        ``dense_at``)."""
+        ``dense_at``, ``model``)."""
         return Synchronous(self.params, self.names, self.base_step, self.engine,
                            self.options.compression, groups, predivide=self.predivide,
                            scale=self.scale, comm=self.comm, adasum=self.adasum,
                            optimizer=self.optimizer, **kw)
+
+
+def forward_first(groups: List[List[int]]) -> List[List[int]]:
+    """The launch order for updates deferred to the next forward: the bucket nearest the
+    output first (its gradients are final first), then the others from the input on, so the
+    next forward meets its modules' buckets in the order they arrive and waits, after the
+    last collective, only for the modules of the last two buckets (those nearest the
+    output). ``groups``: in backward order (:func:`plan_groups`'s)."""
+    return groups[:1] + groups[:0:-1]
