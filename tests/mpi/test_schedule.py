@@ -198,12 +198,13 @@ def tied_serial(steps, size):
 
 
 class Attending(torch.nn.Module):
-    """nn.MultiheadAttention uses its out_proj's parameters without calling out_proj."""
+    """nn.MultiheadAttention uses its out_proj's parameters without calling out_proj; the
+    input layer's spectral norm computes its weight from weight_orig in a forward pre-hook."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(5)
-        self.inp = torch.nn.Linear(5, 8)
+        self.inp = torch.nn.utils.spectral_norm(torch.nn.Linear(5, 8))
         self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
         self.out = torch.nn.Linear(8, 3)
 
@@ -214,8 +215,9 @@ class Attending(torch.nn.Module):
 
 def test_deferred_update_learns_which_forward_uses_a_parameter():
     """A parameter used by its module's parent (out_proj's, by the attention) is updated
-    before the parent's forward: the weights follow the serial loop, with no in-place error
-    in the backward."""
+    before the parent's forward, and a module's own before its other pre-hooks read it (the
+    spectral norm's): the weights follow the serial loop, with no in-place error in the
+    backward."""
     serial = Attending()
     ref = make_opt(serial)
 

@@ -14,6 +14,7 @@ Each strategy owns its state and its checkpoint entry (``state_dict()["hvcomm"]`
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -121,15 +122,18 @@ def update_only(optimizer: torch.optim.Optimizer, base_step: BaseStep,
     the call (and given ``settings``, one dict per group, for it: the learning rate...)."""
     keep = {id(p) for p in params}
     groups = optimizer.param_groups
-    saved = []
-    for i, g in enumerate(groups):
-        given = {} if settings is None else settings[i]
-        saved.append({k: g[k] for k in ("params", *given)})
-        g.update(given, params=[p for p in g["params"] if id(p) in keep])
+    given = [{}] * len(groups) if settings is None else list(settings)
+    if len(given) != len(groups):
+        raise HvcommError(f"the optimizer has {len(groups)} param groups, {len(given)} when its "
+                          "update was deferred: add param groups only after finish_pending()")
+    saved = [dict(g) for g in groups]
     try:
+        for g, s in zip(groups, given):
+            g.update(s, params=[p for p in g["params"] if id(p) in keep])
         base_step(None)
     finally:
         for g, before in zip(groups, saved):
+            g.clear()
             g.update(before)
 
 
@@ -158,10 +162,11 @@ class NextForward:
     forward of the modules whose averages have arrived. Before the model's ``state_dict()``
     and ``load_state_dict()`` (and :meth:`finish`) every parameter is.
 
-    Which forward applies a parameter's update is learnt from the forward before the first
-    step: its own module's if that ran, else its nearest ancestor's that ran (a parameter its
-    module's parent uses directly, as ``nn.MultiheadAttention`` uses ``out_proj``'s), else the
-    first forward of any module.
+    Which forward applies a parameter's update is learnt from the forwards before the first
+    deferred step: its own module's if that ran (before the module's other forward pre-hooks,
+    which may read its weights, as ``spectral_norm``'s does), else its nearest ancestor's that
+    ran (a parameter its module's parent uses directly, as ``nn.MultiheadAttention`` uses
+    ``out_proj``'s), else the first forward of any module.
 
     :meth:`defer` hands over a step: ``averages(wanted)`` yields (position, averaged gradient
     in the parameter's shape) for at least the positions ``wanted``, waiting for them;
@@ -185,8 +190,8 @@ class NextForward:
         self._sparse: Set[int] = set()
         self._left: Set[int] = set()
         finish = lambda *_a, **_k: self.finish()  # noqa: E731
-        self._hooks = [m.register_forward_pre_hook(self._before_forward)
-                       for m in model.modules()]
+        self._hooks = [m.register_forward_pre_hook(self._before_forward, prepend=True)
+                       for m in model.modules()]  # first: other pre-hooks may read weights
         self._hooks += [model.register_state_dict_pre_hook(finish),
                         model.register_load_state_dict_pre_hook(finish)]
 
@@ -216,8 +221,7 @@ class NextForward:
         if self._ran is not None:
             self._learn_owners()
         self._averages, self._done = averages, done
-        self._settings = [{k: v.clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in g.items() if k != "params"}
+        self._settings = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                           for g in self._optimizer.param_groups]
         self._sparse = {i for i, p in enumerate(self.params)
                         if p.grad is not None and p.grad.is_sparse}
