@@ -204,8 +204,9 @@ def main() -> None:
                            f"batch {args.batch} per rank, plain SGD",
                      timing=f"{args.repeats} alternating runs per method and tool, each the "
                             f"median of {args.iters} steps after {args.warmup} warm-up (the "
-                            "slowest rank's step); rows give the median over runs and the "
-                            "runs' range",
+                            "slowest rank's step; the steps back to back after one barrier, "
+                            "each from its start to the next one's); rows give the median "
+                            "over runs and the runs' range",
                      networks="; ".join(f"{k}: {v}" for k, v in labels.items()),
                      oversubscription="P > 2 shares 2 cores: P = 4 and 8 are oversubscribed, "
                                       "and their steps measure the CPU as much as the network",
