@@ -1,6 +1,7 @@
 """A request-like handle that drives a multi-round schedule written as a generator."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Generator, List
 
@@ -9,7 +10,7 @@ from .errors import env_number
 if TYPE_CHECKING:  # mpi4py's MPI is imported on first use, so that importing needs no MPI library
     from mpi4py import MPI
 
-Schedule = Generator[List["MPI.Request"], None, Any]
+Schedule = Generator[list, None, Any]  # lists of MPI requests or collectives.tcp.Transfer
 
 # wait() polls its requests for SPIN_S, then sleeps between polls, FIRST_SLEEP_S first and
 # twice as long each time, never longer than HVCOMM_WAIT_SLEEP_US (default DEFAULT_SLEEP_US).
@@ -30,7 +31,8 @@ def longest_sleep_s() -> float:
 
 
 class Pending:
-    """Progress a schedule that yields lists of MPI requests and returns its result.
+    """Progress a schedule that yields lists of requests (MPI's, or :mod:`collectives.tcp`'s)
+    and returns its result.
 
     The same generator serves the blocking call (``wait`` at once) and the non-blocking one
     (``test`` from time to time, ``wait`` when the result is needed).
@@ -39,7 +41,7 @@ class Pending:
     def __init__(self, schedule: Schedule):
         self._longest_sleep = longest_sleep_s()  # (a bad setting raises before any message)
         self._schedule = schedule
-        self._requests: List[MPI.Request] = []
+        self._requests: list = []
         self._done = False
         self._result: Any = None
         self._advance()
@@ -52,22 +54,52 @@ class Pending:
 
     def test(self) -> bool:
         """Make what progress is possible without blocking; True once finished."""
-        from mpi4py import MPI
-        while not self._done and MPI.Request.Testall(self._requests):
-            self._advance()
+        with self._closed_on_error():
+            while not self._done and _all_complete(self._requests):
+                self._advance()
         return self._done
 
     def wait(self) -> Any:
         """Block until finished and return the result; between polls of the requests in
         flight sleep up to :func:`longest_sleep_s`."""
         from mpi4py import MPI
-        while not self._done:
-            if self._longest_sleep > 0:
-                _sleep_until_complete(self._requests, self._longest_sleep)
-            else:
-                MPI.Request.Waitall(self._requests)
-            self._advance()
+        with self._closed_on_error():
+            while not self._done:
+                if not _is_mpi(self._requests):
+                    for request in self._requests:  # collectives.tcp's: each waits on a thread
+                        request.Wait()
+                elif self._longest_sleep > 0:
+                    _sleep_until_complete(self._requests, self._longest_sleep)
+                else:
+                    MPI.Request.Waitall(self._requests)
+                self._advance()
         return self._result
+
+    @contextlib.contextmanager
+    def _closed_on_error(self):
+        """A collectives.tcp transfer that raises ends the schedule there: its cleanup (the
+        links failed, its buffers no longer written) runs now, not when it is collected."""
+        try:
+            yield
+        except BaseException:
+            if not _is_mpi(self._requests):
+                self._done, self._requests = True, []
+                self._schedule.close()
+            raise
+
+
+def _is_mpi(requests: list) -> bool:
+    """Whether ``requests`` are MPI requests, not :class:`collectives.tcp.Transfer` (a
+    schedule yields one kind at a time)."""
+    from mpi4py import MPI
+    return not requests or isinstance(requests[0], MPI.Request)
+
+
+def _all_complete(requests: list) -> bool:
+    from mpi4py import MPI
+    if _is_mpi(requests):
+        return MPI.Request.Testall(requests)
+    return all(request.Test() for request in requests)
 
 
 def _sleep_until_complete(requests: "List[MPI.Request]", longest: float) -> None:

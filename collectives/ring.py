@@ -20,18 +20,24 @@ to float32 there.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from typing import Callable, Optional
 
 import numpy as np
 
-from . import kernels
+from . import kernels, tcp
 from .errors import HvcommError, check_agree, env_number
 from .handle import Pending, completed
 from .workspace import Workspace, pooled
 
 RING_TAG = 7411
-CHUNK_BYTES = 1 << 20
+TRANSPORTS = ("mpi", "tcp")
+# The pipeline's unit by transport (HVCOMM_RING_TRANSPORT): over collectives.tcp larger
+# chunks cost less CPU and no time on emulated 1 and 10 Gbit links (scripts/bench_transport.py,
+# results/ring_transport.md).
+CHUNK_BYTES = {"mpi": 1 << 20, "tcp": 4 << 20}
 # Below these sizes Open MPI's own allreduce is at least as fast as the ring, by
 # scripts/bench_ring.py on shared memory and emulated 1 and 10 Gbit/s at P = 2 and 4
 # (results/ring_crossover.md). float32/float64: the ring ties Open MPI's ring from 256 KiB at
@@ -97,7 +103,35 @@ def _chunks(offset: int, count: int, per: int):
     return [(s, min(per, offset + count - s)) for s in range(offset, offset + count, per)]
 
 
-def _ring_steps(comm, x, add: Add, per: int, tag: int, ws: Workspace):
+def ring_transport() -> str:
+    """How the ring's chunks travel (HVCOMM_RING_TRANSPORT, the same on every rank): "mpi",
+    Open MPI's point-to-point messages (the default), or "tcp", :mod:`collectives.tcp`'s own
+    connections."""
+    value = os.environ.get("HVCOMM_RING_TRANSPORT", "mpi")
+    if value not in TRANSPORTS:
+        raise HvcommError(f"HVCOMM_RING_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got "
+                          f"{value!r}; unset it for the default (mpi)")
+    return value
+
+
+@contextlib.contextmanager
+def _messages(comm, transport: str, tag: int):
+    """(send, receive) for ``transport``: each ``(buffer, rank, tag)`` -> a request (for
+    "tcp", collective on the communicator's and the tag's first ring: the links are made)."""
+    if transport == "tcp":
+        with tcp.links_of(comm).ring(comm, tag) as messages:
+            yield messages
+        return
+    yield ((lambda buf, rank, tag: comm.Isend(buf, dest=rank, tag=tag)),
+           (lambda buf, rank, tag: comm.Irecv(buf, source=rank, tag=tag)))
+
+
+def _ring_steps(comm, x, add: Add, per: int, tag: int, transport: str, ws: Workspace):
+    with _messages(comm, transport, tag) as (isend, irecv):
+        return (yield from _ring_schedule(comm, x, add, per, tag, isend, irecv, ws))
+
+
+def _ring_schedule(comm, x, add: Add, per: int, tag: int, isend, irecv, ws: Workspace):
     flat = x.reshape(-1)  # a view: x is C-contiguous
     p, r = comm.Get_size(), comm.Get_rank()
     nxt, prv = (r + 1) % p, (r - 1) % p
@@ -112,13 +146,13 @@ def _ring_steps(comm, x, add: Add, per: int, tag: int, ws: Workspace):
     sends = {}  # flat offset -> the send that reads it (the allgather overwrites it later)
 
     def send(start, n):
-        sends[start] = comm.Isend(flat[start:start + n], dest=nxt, tag=tag)
+        sends[start] = isend(flat[start:start + n], nxt, tag)
 
     def post_recv(s, start, n):  # step s's chunk: into the inbox to be added, or in place
         if s < p - 1:
             at = start - offsets[(r - s - 1) % p]
-            return comm.Irecv(inbox[at:at + n], source=prv, tag=tag)
-        return comm.Irecv(flat[start:start + n], source=prv, tag=tag)
+            return irecv(inbox[at:at + n], prv, tag)
+        return irecv(flat[start:start + n], prv, tag)
 
     for start, n in _chunks(offsets[r], counts[r], per):  # step 0 sends this rank's segment
         send(start, n)
@@ -150,10 +184,11 @@ def _free(sends, start, in_place):
         yield [old]
 
 
-def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str, agree=()):
+def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str,
+                  bad_setting: Optional[str] = None, agree=()):
     """The kind ``array`` is summed as; raises HvcommError (on every rank with ``check``,
     which also makes the ranks agree on its size and kind, and on ``agree``) if it cannot
-    be."""
+    be, or with ``bad_setting``, the error of a setting."""
     kind = kind_of(array, bfloat16) if isinstance(array, np.ndarray) else None
     if not isinstance(array, np.ndarray):
         err = f"expected a numpy array, got {type(array).__name__}"
@@ -167,7 +202,7 @@ def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str, agree=())
         err = (f"cannot sum {array.dtype} arrays: use float32, float64, float16, or uint16 "
                "holding bfloat16 bits with bfloat16=True")
     else:
-        err = None
+        err = bad_setting
     if check:
         check_agree(comm, None if err else (array.size, str(kind), *agree), what, err)
     elif err:
@@ -176,7 +211,7 @@ def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str, agree=())
 
 
 def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional[Add] = None,
-                    chunk_bytes: int = CHUNK_BYTES, tag: int = RING_TAG,
+                    chunk_bytes: Optional[int] = None, tag: int = RING_TAG,
                     check: bool = True) -> Pending:
     """Start summing ``x`` over the ranks of ``comm`` in place, over the ring (whatever its
     size; see :func:`iallreduce_sum` for the choice of ring or Open MPI); ``wait()`` returns
@@ -185,22 +220,29 @@ def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optiona
     ``x``: C-contiguous float32, float64 or float16, or uint16 holding bfloat16 bits with
     ``bfloat16=True``; any shape (the ring runs over its flat view). ``add(dst, src, ws)``:
     the in-place addition (default :func:`numpy_add`; hvcomm.torch passes torch's, several
-    times faster for 16-bit). ``chunk_bytes``: the pipeline's unit. Calls in flight together
+    times faster for 16-bit). ``chunk_bytes``: the pipeline's unit (default
+    :data:`CHUNK_BYTES` of the transport, :func:`ring_transport`). Calls in flight together
     on one communicator need distinct tags. ``check``: the ranks first agree (one small
     allgather) that they pass the same size, kind, ``chunk_bytes`` and ``tag``, else every
     rank raises HvcommError.
 
     Cost: 2(P-1) chunk latencies to fill the pipeline, 2(P-1)/P * bytes on every link.
     """
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
+                                    or not isinstance(chunk_bytes, int) or chunk_bytes < 1):
         raise HvcommError(f"ring allreduce: chunk_bytes must be a positive integer, got "
                           f"{chunk_bytes!r}")
-    kind = _checked_kind(comm, x, bfloat16, check, "ring allreduce",
-                         agree=(("chunk_bytes", chunk_bytes), ("tag", tag)))
+    try:
+        transport, bad_setting = ring_transport(), None
+    except HvcommError as err:  # raised on every rank by the agreement
+        transport, bad_setting = None, str(err)
+    kind = _checked_kind(comm, x, bfloat16, check, "ring allreduce", bad_setting,
+                         agree=(("chunk_bytes", chunk_bytes), ("tag", tag),
+                                ("HVCOMM_RING_TRANSPORT", transport)))
     if comm.Get_size() == 1 or x.size == 0:
         return completed(x)
-    per = max(1, chunk_bytes // x.itemsize)
-    return Pending(pooled(_ring_steps, comm, x, add or numpy_add(kind), per, tag))
+    per = max(1, (chunk_bytes or CHUNK_BYTES[transport]) // x.itemsize)
+    return Pending(pooled(_ring_steps, comm, x, add or numpy_add(kind), per, tag, transport))
 
 
 def ring_allreduce(comm, x: np.ndarray, **kw) -> np.ndarray:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -112,6 +113,7 @@ def worker(args) -> None:
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
+    os.environ["HVCOMM_RING_TRANSPORT"] = args.transport  # hvcomm's ring only: DDP has gloo
     hvd.init()
     ddp_peer.init_gloo(comm)
     x = torch.randn(args.batch, WIDTH, generator=torch.Generator().manual_seed(1 + comm.rank))
@@ -174,6 +176,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--at-forward", action="store_true",
                     help="hvcomm with model=model: each update applied at the next forward")
+    ap.add_argument("--transport", choices=("mpi", "tcp"), default="mpi",
+                    help="HVCOMM_RING_TRANSPORT for hvcomm's ring (collectives.tcp: tcp)")
     ap.add_argument("--name", default="ddp")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -189,6 +193,7 @@ def main() -> None:
                                         str(args.batch), "--warmup", str(args.warmup),
                                         "--iters", str(args.iters), "--repeats",
                                         str(args.repeats), "--methods", *args.methods,
+                                        "--transport", args.transport,
                                         *(["--at-forward"] if args.at_forward else [])],
                                     timeout=3000, out=tmp / f"{net}-{p}.json", net=net)
             new = rows_for(net, net_asked, p, res, args.methods)
@@ -217,7 +222,8 @@ def main() -> None:
                          "gloo). hvcomm.torch.init() keeps freed memory in the process "
                          "(HVCOMM_KEEP_FREED_MEMORY); DDP, in the same processes, has it too",
                      hvcomm="DistributedOptimizer defaults (Compression.none, .fp16, "
-                            f".powersgd(rank={RANK})), 25 MiB buckets for every method"
+                            f".powersgd(rank={RANK})), 25 MiB buckets for every method, "
+                            f"the ring's chunks over HVCOMM_RING_TRANSPORT={args.transport}"
                             + (", and model=model: each step's update applied at the next "
                                "forward, the buckets nearest-the-output first, then from the "
                                "input on" if args.at_forward else ""),

@@ -129,9 +129,9 @@ def main() -> None:
                      timing=f"{args.rounds} alternating rounds of {args.repeats} calls each; the "
                             "median of the rounds' medians of the slowest rank's time (s)",
                      sizes="bytes of the float32 message; the float16 one has half",
-                     ring=f"collectives.ring, chunks of "
-                          f"{__import__('collectives.ring').ring.CHUNK_BYTES} bytes, torch's "
-                          "additions",
+                     ring="collectives.ring over Open MPI's messages, chunks of "
+                          f"{__import__('collectives.ring').ring.CHUNK_BYTES['mpi']} bytes, "
+                          "torch's additions",
                      model="2(P-1)/P x float32 bytes / link rate (the emulated links add no "
                            "latency)",
                      oversubscription="P = 4 shares 2 cores"),

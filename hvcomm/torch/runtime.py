@@ -122,6 +122,10 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     global _runtime, _ran_on
     if _runtime is not None:
         return
+    if fault.enabled() and os.environ.get("HVCOMM_RING_TRANSPORT") == "tcp":
+        raise HvcommError("init: HVCOMM_RING_TRANSPORT=tcp does not work under fault tolerance "
+                          "(mpirun --with-ft ulfm): revoking a communicator does not reach its "
+                          "TCP links, so a failure could leave ranks waiting; unset it")
     keep_freed_memory()
     if comm is None:
         comm = world()

@@ -8,6 +8,7 @@ to the element type (16-bit ones formed in float32, rounded by NumPy's or torch'
 The ring must equal it bitwise; Open MPI's path (small messages) is checked on integer-valued
 data, whose sums are exact in any order.
 """
+import socket
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from collectives import handle, ring
+from collectives import handle, ring, tcp
 from collectives.errors import HvcommError
 from hvcomm.torch.sums import add_torch
 
@@ -87,7 +88,9 @@ def lengths(p, per):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("adder", ["numpy", "torch"])
-def test_ring_equals_the_serial_reference(kind, adder):
+@pytest.mark.parametrize("transport", ring.TRANSPORTS)
+def test_ring_equals_the_serial_reference(kind, adder, transport, monkeypatch):
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", transport)
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
     itemsize = 8 if kind == "float64" else 4 if kind == "float32" else 2
@@ -234,3 +237,91 @@ def test_wait_sleep_setting(monkeypatch, text):
         assert handle.longest_sleep_s() == seconds
     monkeypatch.delenv("HVCOMM_WAIT_SLEEP_US")
     assert handle.longest_sleep_s() == 500e-6
+
+
+def test_tcp_rings_in_flight_together(monkeypatch):
+    """Two rings on distinct tags at once over collectives.tcp, polled together: each on its
+    own links (were they shared, their chunks would mix), each the serial reference."""
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", "tcp")
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    xs, ys = inputs(21, (50 * p + 1,), "float32", p), inputs(22, (70 * p,), "float16", p)
+    x, y = xs[r].copy(), ys[r].copy()
+    hx = ring.iring_allreduce(comm, x, chunk_bytes=40, tag=11)
+    hy = ring.iring_allreduce(comm, y, chunk_bytes=40, tag=12)
+    while not all([h.test() for h in (hx, hy)]):  # (a list: both polled each time)
+        pass
+    assert x.tobytes() == ring_reference(xs, "float32").tobytes()
+    assert y.tobytes() == ring_reference(ys, "float16").tobytes()
+
+
+def test_transport_setting(monkeypatch):
+    """A bad HVCOMM_RING_TRANSPORT raises on every rank as the ring starts; ranks that
+    disagree all raise (the agreement's allgather), none waits on a link."""
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", "infiniband")
+    with pytest.raises(HvcommError, match="HVCOMM_RING_TRANSPORT must be one of mpi, tcp"):
+        ring.iring_allreduce(comm, np.ones(8, np.float32))
+    if p > 1:
+        monkeypatch.setenv("HVCOMM_RING_TRANSPORT", "tcp" if r == 0 else "mpi")
+        with pytest.raises(HvcommError, match="disagree"):
+            ring.ring_allreduce(comm, np.ones(8, np.float32))
+    comm.Barrier()
+
+
+def test_tcp_link_errors_raise_on_every_rank(monkeypatch):
+    """A rank without the interfaces asked for, then a peer that cannot be reached (rank 0's
+    port as rank P-1 knows it refused), then a link that fails between two rings: every rank
+    raises, none waits, and the failed links are refused after."""
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    if p == 1:
+        return  # (no ring, no links)
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", "tcp")
+    monkeypatch.setattr(tcp, "CONNECT_TIMEOUT_S", 1.0)
+    lonely = comm.Dup()
+    with monkeypatch.context() as m:
+        if r == 0:
+            m.setenv("HVCOMM_SOCKET_IFNAME", "nosuch0")
+        with pytest.raises(HvcommError, match="rank 0: HVCOMM_SOCKET_IFNAME='nosuch0'"):
+            ring.ring_allreduce(lonely, np.ones(8 * p, np.float32))
+    lonely.Free()
+    unreachable = comm.Dup()
+    links = tcp.links_of(unreachable)
+    with socket.socket() as spare:  # bound, never listening: a connection to it is refused
+        spare.bind(("0.0.0.0", 0))
+        if r == p - 1:
+            links._where[0] = (links._where[0][0], spare.getsockname()[1])
+        with pytest.raises(HvcommError, match=f"rank {p - 1}: TCP link {p - 1}->0 tag .* "
+                                              "cannot reach rank 0"):
+            ring.ring_allreduce(unreachable, np.ones(8 * p, np.float32))
+    unreachable.Free()
+    broken = comm.Dup()
+    xs = inputs(31, (8 * p,), "float32", p)
+    assert ring.ring_allreduce(broken, xs[r].copy()).tobytes() == \
+        ring_reference(xs, "float32").tobytes()
+    if r == 0:  # its link to rank 1 fails under the next ring
+        tcp.links_of(broken)._out[(1, ring.RING_TAG)]._sock.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(HvcommError, match="TCP link"):
+        ring.ring_allreduce(broken, np.ones(1000 * p, np.float32), chunk_bytes=64)
+    with pytest.raises(HvcommError, match="use a new communicator"):
+        ring.ring_allreduce(broken, np.ones(8 * p, np.float32), check=False)
+    broken.Free()
+
+
+def test_tcp_communicator_freed_with_a_ring_in_flight(monkeypatch):
+    """MPI lets a communicator be freed with operations pending: the ring still completes,
+    then its links close."""
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", "tcp")
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    freed = comm.Dup()
+    xs = inputs(32, (50 * p,), "float64", p)
+    x = xs[r].copy()
+    handle = ring.iring_allreduce(freed, x, chunk_bytes=64)
+    links = tcp.links_of(freed) if p > 1 else None
+    freed.Free()
+    assert handle.wait() is x and x.tobytes() == ring_reference(xs, "float64").tobytes()
+    if links is not None:
+        assert links._broken == "the communicator was freed"

@@ -87,3 +87,29 @@ def test_mismatch_errors():
             continue
         raise AssertionError(f"expected {exc.__name__}")
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_allreduce_over_tcp_links(monkeypatch, dtype):
+    """HVCOMM_RING_TRANSPORT=tcp: every sum on the ring (HVCOMM_RING_MIN_BYTES=0) over
+    collectives.tcp's links; integer values, so every partial sum is exact in any order."""
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", "tcp")
+    monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", "0")
+    r, n = hvd.rank(), hvd.size()
+    base = torch.arange(3001, dtype=torch.float64) % 7
+    got = hvd.allreduce((base + r).to(dtype), op=hvd.Sum)
+    assert got.dtype == dtype and torch.equal(got.double(), n * base + n * (n - 1) / 2)
+    if n > 1:  # (the engine's communicator carries the links)
+        from collectives import tcp
+        from hvcomm.torch import runtime
+        assert runtime._runtime.engine.comm.Get_attr(tcp._KEYVAL) is not None
+
+
+def test_tcp_links_refused_under_fault_tolerance(monkeypatch):
+    """Revoking a communicator does not reach collectives.tcp's links: init() refuses them."""
+    from hvcomm.torch import fault, runtime
+    monkeypatch.setattr(fault, "_enabled", True)
+    monkeypatch.setattr(runtime, "_runtime", None)
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", "tcp")
+    with pytest.raises(HvcommError, match="tcp does not work under fault tolerance"):
+        runtime.init()
