@@ -47,7 +47,7 @@ def check_agree(comm, key: Hashable, what: str, local_error: Optional[str] = Non
                           everywhere=True)
 
 
-def env_number(name: str, default: Any, unit: str, low: int, high: Optional[int] = None,
+def env_number(name: str, default: Any, unit: str, low: float, high: Optional[float] = None,
                parse: Callable[[str], Any] = float) -> Any:
     """The setting in environment variable ``name``, ``parse``d (``default`` when unset);
     HvcommError, naming the variable, its ``unit`` and range, unless it is a number from

@@ -33,6 +33,20 @@ def test_stall_shutdown_ends_the_job():
     assert took < 40, took
 
 
+@pytest.mark.parametrize("variable, bad", [("HVCOMM_FUSION_THRESHOLD_BYTES", "25MB"),
+                                           ("HVCOMM_STALL_CHECK_S", "-1"),
+                                           ("HVCOMM_STALL_SHUTDOWN_S", "soon"),
+                                           ("HVCOMM_EXIT_DEADLINE_S", "nan"),
+                                           ("HVCOMM_ELASTIC_DEADLINE_S", "10m")])
+def test_a_bad_setting_ends_the_job_with_its_name(variable, bad):
+    """Each rank reads the setting before any collective: the job ends, naming it."""
+    proc, took = run(2, "stall", "0", env={variable: bad})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert f"{variable} must be a " in out and f"got {bad!r}" in out, out[-3000:]
+    assert "rank 0 sum" not in out and took < 60, took
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_failure_on_one_rank_raises_on_the_others(n):
     proc, took = run(n, "fail")

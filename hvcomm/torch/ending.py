@@ -45,10 +45,12 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from collectives.errors import env_number
+
 from ..cluster import outcome
 from . import fault
 
-EXIT_DEADLINE_S = float(os.environ.get("HVCOMM_EXIT_DEADLINE_S", 600))
+EXIT_DEADLINE_S = env_number("HVCOMM_EXIT_DEADLINE_S", 600.0, "a number of seconds", 0)
 """How long a rank that has ended its program waits for the others before it ends anyway."""
 # seconds between the ranks' MPI_Abort calls under fault tolerance
 ABORT_STAGGER_S = 0.5

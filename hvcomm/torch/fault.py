@@ -24,7 +24,7 @@ from typing import List, Optional
 
 from mpi4py import MPI
 
-from collectives.errors import ProcessFailure
+from collectives.errors import ProcessFailure, env_number
 
 # ERR_IN_STATUS: how a wait on several requests (the sparse collectives' rounds) reports one
 # of them failing; under fault tolerance that is a failed peer
@@ -125,7 +125,7 @@ def failed_in(world: MPI.Comm) -> bool:
     return False
 
 
-DEADLINE_S = float(os.environ.get("HVCOMM_ELASTIC_DEADLINE_S", 600))
+DEADLINE_S = env_number("HVCOMM_ELASTIC_DEADLINE_S", 600.0, "a number of seconds", 0)
 """How long a recovery may take before the rank gives up: it prints every thread's stack and
 exits 1 (a safety net against a hang in MPI itself). A recovery waits for every survivor to
 reach an hvcomm call: make it longer than the longest stretch without one (an evaluation)."""

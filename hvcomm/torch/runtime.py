@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Union
 
 from mpi4py import MPI
 
-from collectives.errors import HvcommError
+from collectives.errors import HvcommError, env_number
 
 from . import ending, fault, timeline
 from .engine import Engine
@@ -126,6 +126,14 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
         raise HvcommError("init: HVCOMM_RING_TRANSPORT=tcp does not work under fault tolerance "
                           "(mpirun --with-ft ulfm): revoking a communicator does not reach its "
                           "TCP links, so a failure could leave ranks waiting; unset it")
+    # the settings first, so that a bad one raises before any collective
+    threshold = env_number("HVCOMM_FUSION_THRESHOLD_BYTES", 25 * 2**20,  # DDP's default
+                           "a whole number of bytes", 0, parse=int)
+    if stall_check_s is None:
+        stall_check_s = env_number("HVCOMM_STALL_CHECK_S", 60.0, "a number of seconds", 0.01)
+    if stall_shutdown_s is None and os.environ.get("HVCOMM_STALL_SHUTDOWN_S"):
+        stall_shutdown_s = env_number("HVCOMM_STALL_SHUTDOWN_S", None, "a number of seconds",
+                                      0.01)
     keep_freed_memory()
     if comm is None:
         comm = world()
@@ -149,13 +157,8 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     local = user.Split_type(MPI.COMM_TYPE_SHARED, key=user.Get_rank())
     cross = user.Split(local.Get_rank(), user.Get_rank())
     fault.track(local, cross)
-    threshold = int(os.environ.get("HVCOMM_FUSION_THRESHOLD_BYTES", 25 * 2**20))  # DDP default
     engine = Engine(user.Dup())
     fault.track(engine.comm)
-    if stall_check_s is None:
-        stall_check_s = float(os.environ.get("HVCOMM_STALL_CHECK_S", 60))
-    if stall_shutdown_s is None and os.environ.get("HVCOMM_STALL_SHUTDOWN_S"):
-        stall_shutdown_s = float(os.environ["HVCOMM_STALL_SHUTDOWN_S"])
     engine.watchdog = Watchdog(engine.comm.Dup(), engine, stall_check_s, stall_shutdown_s)
     fault.track(engine.watchdog.comm)
     _runtime = Runtime(user, local, cross, engine, threshold, comm)
