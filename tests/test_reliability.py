@@ -34,12 +34,11 @@ def test_stall_shutdown_ends_the_job():
 
 
 @pytest.mark.parametrize("variable, bad", [("HVCOMM_FUSION_THRESHOLD_BYTES", "25MB"),
-                                           ("HVCOMM_STALL_CHECK_S", "-1"),
-                                           ("HVCOMM_STALL_SHUTDOWN_S", "soon"),
+                                           ("HVCOMM_STALL_SHUTDOWN_S", "-1"),
                                            ("HVCOMM_EXIT_DEADLINE_S", "nan"),
-                                           ("HVCOMM_ELASTIC_DEADLINE_S", "10m")])
+                                           ("HVCOMM_ELASTIC_DEADLINE_S", "0")])
 def test_a_bad_setting_ends_the_job_with_its_name(variable, bad):
-    """Each rank reads the setting before any collective: the job ends, naming it."""
+    """A bad setting ends the job (no hang) with an error naming the variable and its value."""
     proc, took = run(2, "stall", "0", env={variable: bad})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]

@@ -125,7 +125,7 @@ def failed_in(world: MPI.Comm) -> bool:
     return False
 
 
-DEADLINE_S = env_number("HVCOMM_ELASTIC_DEADLINE_S", 600.0, "a number of seconds", 0)
+DEADLINE_S = env_number("HVCOMM_ELASTIC_DEADLINE_S", 600.0, "a number of seconds", 0.001, 1e7)
 """How long a recovery may take before the rank gives up: it prints every thread's stack and
 exits 1 (a safety net against a hang in MPI itself). A recovery waits for every survivor to
 reach an hvcomm call: make it longer than the longest stretch without one (an evaluation)."""

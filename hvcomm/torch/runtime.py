@@ -132,8 +132,8 @@ def init(comm: Union[MPI.Comm, Sequence[int], None] = None, *,
     if stall_check_s is None:
         stall_check_s = env_number("HVCOMM_STALL_CHECK_S", 60.0, "a number of seconds", 0.01)
     if stall_shutdown_s is None and os.environ.get("HVCOMM_STALL_SHUTDOWN_S"):
-        stall_shutdown_s = env_number("HVCOMM_STALL_SHUTDOWN_S", None, "a number of seconds",
-                                      0.01)
+        stall_shutdown_s = env_number("HVCOMM_STALL_SHUTDOWN_S", "off", "a number of seconds",
+                                      0.01)  # (read only when set: "off" is for the message)
     keep_freed_memory()
     if comm is None:
         comm = world()
