@@ -126,12 +126,22 @@ def _messages(comm, transport: str, tag: int):
            (lambda buf, rank, tag: comm.Irecv(buf, source=rank, tag=tag)))
 
 
-def _ring_steps(comm, x, add: Add, per: int, tag: int, transport: str, ws: Workspace):
+def _ring_steps(comm, x, add: Add, scale: float, per: int, tag: int, transport: str,
+               ws: Workspace):
     with _messages(comm, transport, tag) as (isend, irecv):
-        return (yield from _ring_schedule(comm, x, add, per, tag, isend, irecv, ws))
+        return (yield from _ring_schedule(comm, x, add, scale, per, tag, isend, irecv, ws))
 
 
-def _ring_schedule(comm, x, add: Add, per: int, tag: int, isend, irecv, ws: Workspace):
+def scale_in_place(x: np.ndarray, scale: float) -> np.ndarray:
+    """``x *= scale`` in x's (float32 or float64) precision, as torch multiplies a tensor by
+    a Python number; returns ``x``."""
+    if scale != 1.0:
+        np.multiply(x, x.dtype.type(scale), out=x)
+    return x
+
+
+def _ring_schedule(comm, x, add: Add, scale: float, per: int, tag: int, isend, irecv,
+                   ws: Workspace):
     flat = x.reshape(-1)  # a view: x is C-contiguous
     p, r = comm.Get_size(), comm.Get_rank()
     nxt, prv = (r + 1) % p, (r - 1) % p
@@ -164,6 +174,8 @@ def _ring_schedule(comm, x, add: Add, per: int, tag: int, isend, irecv, ws: Work
             yield [pending[j]]
             if s < p - 1:
                 add(flat[start:start + n], inbox[start - seg_start:start - seg_start + n], ws)
+            if s == p - 2:  # the chunk's sum is complete here: scaled before the allgather
+                scale_in_place(flat[start:start + n], scale)
             if s + 1 < steps:
                 send(start, n)  # this chunk is step s + 1's
                 if j < len(following):  # the receive that takes its place, in step order
@@ -185,10 +197,10 @@ def _free(sends, start, in_place):
 
 
 def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str,
-                  bad_setting: Optional[str] = None, agree=()):
+                  bad_setting: Optional[str] = None, agree=(), scale: float = 1.0):
     """The kind ``array`` is summed as; raises HvcommError (on every rank with ``check``,
-    which also makes the ranks agree on its size and kind, and on ``agree``) if it cannot
-    be, or with ``bad_setting``, the error of a setting."""
+    which also makes the ranks agree on its size and kind, on ``scale`` and on ``agree``)
+    if it cannot be (or be scaled), or with ``bad_setting``, the error of a setting."""
     kind = kind_of(array, bfloat16) if isinstance(array, np.ndarray) else None
     if not isinstance(array, np.ndarray):
         err = f"expected a numpy array, got {type(array).__name__}"
@@ -201,17 +213,23 @@ def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str,
     elif kind is None:
         err = (f"cannot sum {array.dtype} arrays: use float32, float64, float16, or uint16 "
                "holding bfloat16 bits with bfloat16=True")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        err = f"scale must be a real number, got {scale!r}"
+    elif scale != 1.0 and kind in (FLOAT16, BFLOAT16):
+        err = ("scale= is for float32 and float64 sums: multiply a 16-bit sum after it "
+               "(it would be rounded twice here)")
     else:
         err = bad_setting
     if check:
-        check_agree(comm, None if err else (array.size, str(kind), *agree), what, err)
+        check_agree(comm, None if err else (array.size, str(kind), ("scale", scale), *agree),
+                    what, err)
     elif err:
         raise HvcommError(f"{what}: {err}")
     return kind
 
 
 def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional[Add] = None,
-                    chunk_bytes: Optional[int] = None, tag: int = RING_TAG,
+                    scale: float = 1.0, chunk_bytes: Optional[int] = None, tag: int = RING_TAG,
                     check: bool = True) -> Pending:
     """Start summing ``x`` over the ranks of ``comm`` in place, over the ring (whatever its
     size; see :func:`iallreduce_sum` for the choice of ring or Open MPI); ``wait()`` returns
@@ -220,7 +238,9 @@ def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optiona
     ``x``: C-contiguous float32, float64 or float16, or uint16 holding bfloat16 bits with
     ``bfloat16=True``; any shape (the ring runs over its flat view). ``add(dst, src, ws)``:
     the in-place addition (default :func:`numpy_add`; hvcomm.torch passes torch's, several
-    times faster for 16-bit). ``chunk_bytes``: the pipeline's unit (default
+    times faster for 16-bit). ``scale``: the sum comes back multiplied by it, float32 and
+    float64 only (each segment's owner scales it before the allgather: 1/P of the array, where
+    a pass after the sum would touch all of it). ``chunk_bytes``: the pipeline's unit (default
     :data:`CHUNK_BYTES` of the transport, :func:`ring_transport`). Calls in flight together
     on one communicator need distinct tags. ``check``: the ranks first agree (one small
     allgather) that they pass the same size, kind, ``chunk_bytes`` and ``tag``, else every
@@ -238,11 +258,12 @@ def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optiona
         transport, bad_setting = None, str(err)
     kind = _checked_kind(comm, x, bfloat16, check, "ring allreduce", bad_setting,
                          agree=(("chunk_bytes", chunk_bytes), ("tag", tag),
-                                ("HVCOMM_RING_TRANSPORT", transport)))
+                                ("HVCOMM_RING_TRANSPORT", transport)), scale=scale)
     if comm.Get_size() == 1 or x.size == 0:
-        return completed(x)
+        return completed(scale_in_place(x, scale))
     per = max(1, (chunk_bytes or CHUNK_BYTES[transport]) // x.itemsize)
-    return Pending(pooled(_ring_steps, comm, x, add or numpy_add(kind), per, tag, transport))
+    return Pending(pooled(_ring_steps, comm, x, add or numpy_add(kind), scale, per, tag,
+                          transport))
 
 
 def ring_allreduce(comm, x: np.ndarray, **kw) -> np.ndarray:
@@ -250,8 +271,9 @@ def ring_allreduce(comm, x: np.ndarray, **kw) -> np.ndarray:
     return iring_allreduce(comm, x, **kw).wait()
 
 
-def _open_mpi_steps(comm, x, kind, blocking: bool, ws: Workspace):
-    """Open MPI's allreduce in place, 16-bit kinds widened to float32 for it. ``blocking``:
+def _open_mpi_steps(comm, x, kind, scale: float, blocking: bool, ws: Workspace):
+    """Open MPI's allreduce in place, 16-bit kinds widened to float32 for it, the sum then
+    multiplied by ``scale`` (float32 and float64 only). ``blocking``:
     MPI_Allreduce itself, whose algorithm Open MPI tunes (on the emulated cluster: its ring);
     MPI_Iallreduce (libnbc) took 2.0-2.1x the ring model at P = 2 on 1 Gbit."""
     from mpi4py import MPI
@@ -268,30 +290,31 @@ def _open_mpi_steps(comm, x, kind, blocking: bool, ws: Workspace):
         yield [comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)]
     if kind in (FLOAT16, BFLOAT16):
         kernels.narrow16(wide, flat16, brain)
-    return x
+    return scale_in_place(x, scale)
 
 
-def _start_sum(comm, x, bfloat16: bool, add: Optional[Add], tag: int, check: bool,
-               blocking: bool) -> Pending:
+def _start_sum(comm, x, bfloat16: bool, add: Optional[Add], scale: float, tag: int,
+               check: bool, blocking: bool) -> Pending:
     if isinstance(x, np.ndarray) and use_ring(x.nbytes, comm.Get_size(), kind_of(x, bfloat16)):
-        return iring_allreduce(comm, x, bfloat16=bfloat16, add=add, tag=tag, check=check)
-    kind = _checked_kind(comm, x, bfloat16, check, "allreduce")
+        return iring_allreduce(comm, x, bfloat16=bfloat16, add=add, scale=scale, tag=tag,
+                               check=check)
+    kind = _checked_kind(comm, x, bfloat16, check, "allreduce", scale=scale)
     if comm.Get_size() == 1 or x.size == 0:
-        return completed(x)
-    return Pending(pooled(_open_mpi_steps, comm, x, kind, blocking))
+        return completed(scale_in_place(x, scale))
+    return Pending(pooled(_open_mpi_steps, comm, x, kind, scale, blocking))
 
 
 def iallreduce_sum(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional[Add] = None,
-                   tag: int = RING_TAG, check: bool = True) -> Pending:
+                   scale: float = 1.0, tag: int = RING_TAG, check: bool = True) -> Pending:
     """Start summing ``x`` in place: over the ring from :func:`ring_min_bytes` bytes, else
     over Open MPI's allreduce (16-bit kinds widened to float32 for it and rounded back once:
     a small 16-bit sum is rounded once, a ring's once per hop). The arguments are
     :func:`iring_allreduce`'s (its default chunk size)."""
-    return _start_sum(comm, x, bfloat16, add, tag, check, blocking=False)
+    return _start_sum(comm, x, bfloat16, add, scale, tag, check, blocking=False)
 
 
 def allreduce_sum(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optional[Add] = None,
-                  tag: int = RING_TAG, check: bool = True) -> np.ndarray:
+                  scale: float = 1.0, tag: int = RING_TAG, check: bool = True) -> np.ndarray:
     """:func:`iallreduce_sum`, blocking: below the ring's sizes, Open MPI's blocking
     MPI_Allreduce, not its non-blocking one."""
-    return _start_sum(comm, x, bfloat16, add, tag, check, blocking=True).wait()
+    return _start_sum(comm, x, bfloat16, add, scale, tag, check, blocking=True).wait()

@@ -31,19 +31,25 @@ def add_torch(dst: np.ndarray, src: np.ndarray, ws: Workspace) -> None:
 _RING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def sum_in_place(comm, tensor: torch.Tensor) -> None:
-    """Sum a contiguous CPU tensor over the ranks in place. Floating-point tensors go over
+def sum_in_place(comm, tensor: torch.Tensor, scale: float = 1.0) -> None:
+    """Sum a contiguous CPU tensor over the ranks in place, then multiply it by ``scale``
+    (as ``tensor.mul_(scale)`` would). Floating-point tensors go over
     :func:`collectives.ring.allreduce_sum` (hvcomm's pipelined ring for large tensors, Open
     MPI's allreduce for small ones; float16 and bfloat16 on the wire as 16 bits, each addition
-    in float32); other dtypes over Open MPI's allreduce."""
+    in float32; float32 and float64 scaled inside the ring, on 1/P of the tensor per rank);
+    other dtypes over Open MPI's allreduce."""
     from collectives.ring import allreduce_sum  # (loads numba: not at import)
+    wide = tensor.dtype in (torch.float32, torch.float64)
     if tensor.dtype in _RING_DTYPES:
         brain = tensor.dtype == torch.bfloat16
         buf = as_bits(tensor).view(np.uint16) if brain else tensor.detach().numpy()
-        allreduce_sum(comm, buf, bfloat16=brain, add=add_torch, check=False)
+        allreduce_sum(comm, buf, bfloat16=brain, add=add_torch, scale=scale if wide else 1.0,
+                      check=False)
     else:
         from mpi4py import MPI
         comm.Allreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM)
+    if scale != 1.0 and not wide:
+        tensor.mul_(scale)
 
 
 def adasum_(comm, tensor: torch.Tensor) -> None:

@@ -44,6 +44,31 @@ def test_backward_passes_per_step_2_and_steplr():
     assert opt.param_groups[0]["lr"] == 0.1 * 0.25
 
 
+@pytest.mark.parametrize("ring_from", ["0", "default"], ids=["ring", "open-mpi"])
+def test_dense_gradients_are_views_of_their_averaged_bucket(ring_from, monkeypatch):
+    """Compression.none: after step() each gradient holds the average of what the ranks had
+    (a plain loop over every rank's gradients) and is a view of its bucket's averaged sum,
+    not a copy (the parameters of one bucket share one tensor); a backward without zero_grad()
+    accumulates into those views, and the next step averages that."""
+    if ring_from != "default":
+        monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", ring_from)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters())
+    r, n = hvd.rank(), hvd.size()
+    for s in range(2):  # step 1's backward adds to step 0's averages (no zero_grad)
+        x, y = data(s, n)
+        loss_fn(model, shard(x, r), shard(y, r)).backward()
+        if s == 1:  # accumulated in place: still the bucket's storage
+            assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+        gathered = hvd.allgather_object([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+        for j, p in enumerate(model.parameters()):
+            want = sum(ranks[j] for ranks in gathered) / n
+            assert torch.allclose(p.grad, want, atol=1e-12, rtol=0), (s, j)
+
+
 def test_checkpoint_resume():
     full, _ = train_distributed(4)
     model, opt = train_distributed(2)

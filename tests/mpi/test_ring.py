@@ -131,6 +131,33 @@ def test_either_side_of_the_crossover(kind, monkeypatch):
             ring_reference(xs, kind).tobytes()
 
 
+@pytest.mark.parametrize("kind", ("float32", "float64"))
+def test_scale_multiplies_the_finished_sum_once(kind, monkeypatch):
+    """scale=: the reference's sum times the scale rounded to the element type (one rounding
+    more), on the ring (each segment's owner scales it) and on Open MPI's path (integer-valued
+    data: exact sums); every rank ends with the same values."""
+    comm = MPI.COMM_WORLD
+    p, r = comm.Get_size(), comm.Get_rank()
+    itemsize, per = np.dtype(kind).itemsize, 5
+    scale = 1 / 3  # not a power of two: its rounding to the element type shows
+    factor = np.dtype(kind).type(scale)
+    for n in lengths(p, per):
+        xs = inputs(n * 5 + 1, (n,), kind, p)
+        x = xs[r].copy()
+        got = run(comm, x, kind, nonblocking=n % 2 == 1, chunk_bytes=per * itemsize,
+                  scale=scale)
+        want = ring_reference(xs, kind) * factor
+        assert got.tobytes() == want.tobytes(), (kind, n, got, want)
+        assert all(b == got.tobytes() for b in comm.allgather(got.tobytes()))
+    monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", str(1 << 30))
+    xs = inputs(3, (40,), kind, p, integers=True)
+    for nonblocking in (False, True):
+        x = xs[r].copy()
+        got = run(comm, x, kind, nonblocking, ring_only=False, scale=scale)
+        want = sum(v.astype(np.float64) for v in xs).astype(kind) * factor
+        assert got.tobytes() == want.tobytes(), (kind, nonblocking, got, want)
+
+
 def test_bad_input_raises_on_every_rank():
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
@@ -144,6 +171,12 @@ def test_bad_input_raises_on_every_rank():
         (lambda: ring.ring_allreduce(comm, [1.0, 2.0]), "numpy array"),
         (lambda: ring.ring_allreduce(comm, np.zeros(4, np.float32), chunk_bytes=0),
          "chunk_bytes"),
+        (lambda: ring.allreduce_sum(comm, np.zeros(4, np.float16), scale=0.5),
+         "scale= is for float32 and float64"),
+        (lambda: ring.allreduce_sum(comm, np.zeros(4, np.float32), scale="half"),
+         "scale must be a real number"),
+        (lambda: ring.ring_allreduce(comm, np.zeros(4, np.float32), scale=0.5 + (r == 0)),
+         "disagree" if p > 1 else None),
     ]
     for call, text in cases:
         if text is None:

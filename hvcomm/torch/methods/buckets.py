@@ -124,15 +124,21 @@ def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0,
     return flat
 
 
-def set_grad(p: torch.nn.Parameter, total: torch.Tensor, scale: float = 1.0) -> None:
+def set_grad(p: torch.nn.Parameter, total: torch.Tensor, scale: float = 1.0,
+             alias: bool = False) -> None:
     """``p.grad = total * scale`` (:func:`scaled_in` ``p.grad``'s dtype, written into it in
     place), or sparse again where the gradient was sparse (an Embedding(sparse=True):
     SparseAdam and friends expect that). ``total``: a flat sum of ``p.numel()`` elements in
-    any floating dtype, which this may overwrite."""
+    any floating dtype, which this may overwrite. ``alias``: ``total`` is this step's own,
+    already scaled (``scale`` 1), and a dense ``p.grad`` of its dtype becomes a view of it
+    instead of a copy (as DDP's ``gradient_as_bucket_view``): one pass over the gradients
+    fewer."""
     total = total.view(p.shape)
     with torch.no_grad():  # (a gradient made with create_graph=True requires grad)
         if p.grad.is_sparse:
             p.grad = scaled_in(total, p.dtype, scale).to_sparse()
+        elif alias and scale == 1.0 and total.dtype == p.grad.dtype:
+            p.grad = total
         else:
             scaled_in(total, p.grad.dtype, scale, out=p.grad)
 

@@ -17,7 +17,8 @@ class Payload:
     ``(indices, values)`` NumPy arrays); the rest is what rebuilding the dense sum needs:
     ``numel`` and ``dtype`` of the flat gradient, ``k`` pairs (sparse), the positions every
     rank chose alike (``indices``, random-k), and the context of a compressor that has
-    Horovod's interface alone (``ctx``, as its ``compress`` returned it)."""
+    Horovod's interface alone (``ctx``, as its ``compress`` returned it), and the factor the
+    dense sum comes back multiplied by (``scale``: :class:`Allreduce` applies it)."""
 
     data: Any
     numel: int
@@ -25,6 +26,7 @@ class Payload:
     k: int = 0
     indices: Optional[torch.Tensor] = None
     ctx: Any = None
+    scale: float = 1.0
 
     @property
     def nbytes(self) -> int:
@@ -50,12 +52,12 @@ def ring_bytes(comm, nbytes: int) -> float:
 
 
 class Allreduce(Collective):
-    """The payload's tensor summed over the ranks in place."""
+    """The payload's tensor summed over the ranks in place, times its ``scale``."""
 
     label = "allreduce"
 
     def run(self, comm, payload):
-        sum_in_place(comm, payload.data)
+        sum_in_place(comm, payload.data, payload.scale)
         return payload.data, ring_bytes(comm, payload.nbytes)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from .compressor import Compressor, is_native
-from .payload import ADASUM, Payload
+from .payload import ADASUM, ALLREDUCE, Payload
 from .buckets import Bucket, common_dtype, flat_grad
 from .memory import ErrorFeedback
 
@@ -22,6 +22,9 @@ class InFlight:
     payload: Payload
     names: Sequence[str] = ()     # the bucket's parameters (their residuals)
     numels: Sequence[int] = ()
+    # the sum comes back already times start()'s scale, in a flat tensor of the gradients'
+    # dtype that nothing else holds: the gradients may become views of it (dense sums)
+    scaled: bool = False
 
     def finish(self):
         """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""
@@ -57,10 +60,12 @@ class Reducer:
         self.collective = ADASUM if adasum else compressor.collective
 
     def start(self, bucket: Bucket, params: Sequence[torch.nn.Parameter], step: int,
-              predivide: float = 1.0) -> InFlight:
+              predivide: float = 1.0, scale: float = 1.0) -> InFlight:
         """Gather the bucket's gradients (``params``, divided by ``predivide``) into one flat
         tensor, with this rank's residual added where the compressor keeps one, encode it and
-        hand its collective to the engine."""
+        hand its collective to the engine. ``scale``: the factor the caller multiplies the
+        sum by, applied by the collective where the gradients travel as they are (a sum then
+        comes back ``scaled``), else left to the caller."""
         comp, names, numels = self.compressor, bucket.names, bucket.numels
         if comp.error_feedback:  # (its residuals are kept in the gradients' own dtype)
             acc = flat_grad(params, predivide,
@@ -68,12 +73,15 @@ class Reducer:
         else:
             acc = flat_grad(params, predivide, comp.gather_dtype(params))
         payload = comp.encode(acc, step, bucket.key, bucket.shapes, bucket.names)
+        scaled = comp.sends_as_is and self.collective is ALLREDUCE
+        if scaled:
+            payload.scale = scale
         if comp.error_feedback:
             self.memory.store(names, numels, comp.residual(acc, payload))
         collective = self.collective
         handle = self.engine.submit(lambda comm: collective.run(comm, payload),
                                     f"{collective.label} {bucket.key[:80]}", self.comm)
-        return InFlight(self, handle, payload, names, numels)
+        return InFlight(self, handle, payload, names, numels, scaled)
 
     def finish(self, job: InFlight):
         """See :meth:`InFlight.finish`."""

@@ -83,7 +83,7 @@ class Synchronous(Strategy):
         with timeline.measure("compress+launch", bucket=bucket.key[:80]):
             reducer = self._dense_reducer if self.dense_at(self.steps) else self._reducer
             bucket.pending = reducer.start(bucket, [self.params[i] for i in bucket.indices],
-                                           self.steps, self.predivide)
+                                           self.steps, self.predivide, self.scale)
 
     def take_launched(self) -> Launched:
         """Launch, in order, what the hooks did not (unused parameters: zeros) and hand over
@@ -118,15 +118,16 @@ class Synchronous(Strategy):
             flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own
             comm_end = max(comm_end, job.handle.finished_at)
             stats.add(sent, payload_bytes)
+            scale = 1.0 if job.scaled else self.scale
             averaged = []
             for j, total in split(flat, bucket.numels):
                 i = bucket.indices[j]
                 p = self.params[i]
                 if into_grads:
-                    set_grad(p, total, self.scale)
+                    set_grad(p, total, scale, alias=job.scaled)
                     averaged.append((i, p.grad))
                 else:
-                    averaged.append((i, scaled_in(total, p.dtype, self.scale).view(p.shape)))
+                    averaged.append((i, scaled_in(total, p.dtype, scale).view(p.shape)))
             yield bucket, averaged
         self.comm_stats, self.comm_end = stats, comm_end
 
