@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 from typing import Callable, Optional
 
@@ -213,7 +214,7 @@ def _checked_kind(comm, array, bfloat16: bool, check: bool, what: str,
     elif kind is None:
         err = (f"cannot sum {array.dtype} arrays: use float32, float64, float16, or uint16 "
                "holding bfloat16 bits with bfloat16=True")
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         err = f"scale must be a real number, got {scale!r}"
     elif scale != 1.0 and kind in (FLOAT16, BFLOAT16):
         err = ("scale= is for float32 and float64 sums: multiply a 16-bit sum after it "

@@ -176,10 +176,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--at-forward", action="store_true",
                     help="hvcomm with model=model: each update applied at the next forward")
-    ap.add_argument("--transport", choices=("mpi", "tcp"),
-                    help="HVCOMM_RING_TRANSPORT for hvcomm's ring on every network (default: "
-                         "mpi on shared memory, tcp across emulated hosts, as "
-                         "slurm/ethernet.sbatch sets it)")
+    ap.add_argument("--transport", choices=("mpi", "tcp"), default="mpi",
+                    help="HVCOMM_RING_TRANSPORT for hvcomm's ring (collectives.tcp: tcp)")
     ap.add_argument("--name", default="ddp")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -189,14 +187,13 @@ def main() -> None:
     labels = {}
     for net_asked in args.nets:
         net, label = report.resolve_net(net_asked)
-        transport = args.transport or ("mpi" if net == "shm" else "tcp")
-        labels[net_asked] = f"{label}; hvcomm's ring over HVCOMM_RING_TRANSPORT={transport}"
+        labels[net_asked] = label
         for p in args.sizes:
             res = report.run_worker(p, [__file__, "--worker", "--batch",
                                         str(args.batch), "--warmup", str(args.warmup),
                                         "--iters", str(args.iters), "--repeats",
                                         str(args.repeats), "--methods", *args.methods,
-                                        "--transport", transport,
+                                        "--transport", args.transport,
                                         *(["--at-forward"] if args.at_forward else [])],
                                     timeout=3000, out=tmp / f"{net}-{p}.json", net=net)
             new = rows_for(net, net_asked, p, res, args.methods)
@@ -226,7 +223,7 @@ def main() -> None:
                          "(HVCOMM_KEEP_FREED_MEMORY); DDP, in the same processes, has it too",
                      hvcomm="DistributedOptimizer defaults (Compression.none, .fp16, "
                             f".powersgd(rank={RANK})), 25 MiB buckets for every method, "
-                            "the ring's transport as each network says"
+                            f"the ring's chunks over HVCOMM_RING_TRANSPORT={args.transport}"
                             + (", and model=model: each step's update applied at the next "
                                "forward, the buckets nearest-the-output first, then from the "
                                "input on" if args.at_forward else ""),

@@ -132,10 +132,14 @@ def test_either_side_of_the_crossover(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ("float32", "float64"))
-def test_scale_multiplies_the_finished_sum_once(kind, monkeypatch):
+@pytest.mark.parametrize("adder", ["numpy", "torch"])
+@pytest.mark.parametrize("transport", ring.TRANSPORTS)
+def test_scale_multiplies_the_finished_sum_once(kind, adder, transport, monkeypatch):
     """scale=: the reference's sum times the scale rounded to the element type (one rounding
     more), on the ring (each segment's owner scales it) and on Open MPI's path (integer-valued
     data: exact sums); every rank ends with the same values."""
+    monkeypatch.setenv("HVCOMM_RING_TRANSPORT", transport)
+    add = add_torch if adder == "torch" else None
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
     itemsize, per = np.dtype(kind).itemsize, 5
@@ -145,7 +149,7 @@ def test_scale_multiplies_the_finished_sum_once(kind, monkeypatch):
         xs = inputs(n * 5 + 1, (n,), kind, p)
         x = xs[r].copy()
         got = run(comm, x, kind, nonblocking=n % 2 == 1, chunk_bytes=per * itemsize,
-                  scale=scale)
+                  scale=scale, add=add)
         want = ring_reference(xs, kind) * factor
         assert got.tobytes() == want.tobytes(), (kind, n, got, want)
         assert all(b == got.tobytes() for b in comm.allgather(got.tobytes()))

@@ -126,18 +126,19 @@ def flat_grad(params: Sequence[torch.nn.Parameter], predivide: float = 1.0,
 
 def set_grad(p: torch.nn.Parameter, total: torch.Tensor, scale: float = 1.0,
              alias: bool = False) -> None:
-    """``p.grad = total * scale`` (:func:`scaled_in` ``p.grad``'s dtype, written into it in
-    place), or sparse again where the gradient was sparse (an Embedding(sparse=True):
-    SparseAdam and friends expect that). ``total``: a flat sum of ``p.numel()`` elements in
-    any floating dtype, which this may overwrite. ``alias``: ``total`` is this step's own,
-    already scaled (``scale`` 1), and a dense ``p.grad`` of its dtype becomes a view of it
-    instead of a copy (as DDP's ``gradient_as_bucket_view``): one pass over the gradients
-    fewer."""
+    """``p.grad = total * scale``: :func:`scaled_in` ``p.grad``'s dtype, written into it in
+    place; or, with ``alias`` where the gradient is dense and of ``total``'s dtype, ``total``
+    itself becomes ``p.grad`` (a view, as with DDP's ``gradient_as_bucket_view``: one pass
+    over the gradients fewer); or sparse again where the gradient was sparse (an
+    Embedding(sparse=True): SparseAdam and friends expect that). ``total``: a flat sum of
+    ``p.numel()`` elements in any floating dtype, which this may overwrite; with ``alias``,
+    this step's own and already scaled (``scale`` must be 1)."""
+    assert not alias or scale == 1.0, "an aliased sum is scaled already"
     total = total.view(p.shape)
     with torch.no_grad():  # (a gradient made with create_graph=True requires grad)
         if p.grad.is_sparse:
             p.grad = scaled_in(total, p.dtype, scale).to_sparse()
-        elif alias and scale == 1.0 and total.dtype == p.grad.dtype:
+        elif alias and total.dtype == p.grad.dtype:
             p.grad = total
         else:
             scaled_in(total, p.grad.dtype, scale, out=p.grad)

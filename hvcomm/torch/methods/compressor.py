@@ -36,8 +36,9 @@ class Compressor:
         raise NotImplementedError
 
     def decode(self, result: Any, payload: Payload) -> torch.Tensor:
-        """The dense sum, in a tensor the caller owns (the optimizer scales it in place), in
-        the dtype of the tensor ``encode`` was given."""
+        """The dense sum, in a tensor the caller owns (the optimizer scales it in place, or
+        the dense allreduce has, for a compressor that ``sends_as_is``), in the dtype of the
+        tensor ``encode`` was given."""
         raise NotImplementedError
 
     def gather_dtype(self, params: Sequence[torch.Tensor]) -> Optional[torch.dtype]:

@@ -22,9 +22,7 @@ class InFlight:
     payload: Payload
     names: Sequence[str] = ()     # the bucket's parameters (their residuals)
     numels: Sequence[int] = ()
-    # the sum comes back already times start()'s scale, in a flat tensor of the gradients'
-    # dtype that nothing else holds: the gradients may become views of it (dense sums)
-    scaled: bool = False
+    scale_applied: bool = False   # the collective multiplied the sum by start()'s scale
 
     def finish(self):
         """Wait; returns (dense sum over ranks, bytes this rank sent, payload bytes)."""
@@ -64,8 +62,8 @@ class Reducer:
         """Gather the bucket's gradients (``params``, divided by ``predivide``) into one flat
         tensor, with this rank's residual added where the compressor keeps one, encode it and
         hand its collective to the engine. ``scale``: the factor the caller multiplies the
-        sum by, applied by the collective where the gradients travel as they are (a sum then
-        comes back ``scaled``), else left to the caller."""
+        sum by, applied by the collective where the gradients travel as they are
+        (``scale_applied``), else left to the caller."""
         comp, names, numels = self.compressor, bucket.names, bucket.numels
         if comp.error_feedback:  # (its residuals are kept in the gradients' own dtype)
             acc = flat_grad(params, predivide,
@@ -73,15 +71,15 @@ class Reducer:
         else:
             acc = flat_grad(params, predivide, comp.gather_dtype(params))
         payload = comp.encode(acc, step, bucket.key, bucket.shapes, bucket.names)
-        scaled = comp.sends_as_is and self.collective is ALLREDUCE
-        if scaled:
-            payload.scale = scale
+        scale_applied = comp.sends_as_is and self.collective is ALLREDUCE
+        if scale_applied:
+            payload.scale = float(scale)
         if comp.error_feedback:
             self.memory.store(names, numels, comp.residual(acc, payload))
         collective = self.collective
         handle = self.engine.submit(lambda comm: collective.run(comm, payload),
                                     f"{collective.label} {bucket.key[:80]}", self.comm)
-        return InFlight(self, handle, payload, names, numels, scaled)
+        return InFlight(self, handle, payload, names, numels, scale_applied)
 
     def finish(self, job: InFlight):
         """See :meth:`InFlight.finish`."""

@@ -22,17 +22,17 @@ Launched = List[Tuple[Bucket, InFlight]]
 
 
 class Synchronous(Strategy):
-    """``predivide``: divide each gradient before the sum (Horovod's
-    gradient_predivide_factor); ``scale``: multiply each sum after it (1/size for an average,
-    times predivide). ``dense_at(step)``: steps whose buckets go uncompressed (the delayed
-    modes' warm-up and CD-SGD's full-precision steps). ``comm``: a process set's
-    communicator (default: every rank). ``adasum``: buckets are combined by Adasum instead
-    of summed. ``memory``: the error-feedback residuals (default: its own). ``optimizer``: the
-    DistributedOptimizer, given where ``step()`` may update each bucket's parameters as soon
-    as that bucket is averaged (:meth:`step`). ``model``: ``step()`` returns once the
-    buckets are handed over, and each module's next forward applies the update of the
-    parameters it owns as their buckets arrive (:class:`NextForward`; launch the buckets in
-    :func:`forward_first` order for it to overlap)."""
+    """``predivide``: divide each gradient before the sum (Horovod's gradient_predivide_factor);
+    ``scale``: multiply each sum by it (1/size for an average, times predivide; the dense
+    allreduce applies it as it sums). ``dense_at(step)``: steps whose buckets go uncompressed
+    (the delayed modes' warm-up and CD-SGD's full-precision steps). ``comm``: a process set's
+    communicator (default: every rank). ``adasum``: buckets are combined by Adasum instead of
+    summed. ``memory``: the error-feedback residuals (default: its own). ``optimizer``: the
+    DistributedOptimizer, given where ``step()`` may update each bucket's parameters as soon as
+    that bucket is averaged (:meth:`step`). ``model``: ``step()`` returns once the buckets are
+    handed over, and each module's next forward applies the update of the parameters it owns as
+    their buckets arrive (:class:`NextForward`; launch the buckets in :func:`forward_first`
+    order for it to overlap)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  base_step: BaseStep, engine, compression: Compressor,
@@ -109,8 +109,9 @@ class Synchronous(Strategy):
         """Wait for ``launched`` bucket by bucket, yielding each bucket with its parameters'
         (position, averaged gradient in the parameter's dtype and shape) as soon as it is
         finished, so the caller's use of them overlaps the later buckets' communication.
-        ``into_grads``: each average is written into its parameter's ``.grad``
-        (:func:`set_grad`), which is what is yielded. Sets ``comm_stats`` and ``comm_end``
+        ``into_grads``: each average goes into its parameter's ``.grad`` (:func:`set_grad`:
+        a dense sum sent as it is becomes ``.grad`` itself, as views), which is what is
+        yielded. Sets ``comm_stats`` and ``comm_end``
         once exhausted. If a bucket's collective raises, the buckets before it have been
         handed over and the rest not (a failure: elastic restores the state)."""
         stats, comm_end = CommStats(), 0.0
@@ -118,13 +119,15 @@ class Synchronous(Strategy):
             flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own
             comm_end = max(comm_end, job.handle.finished_at)
             stats.add(sent, payload_bytes)
-            scale = 1.0 if job.scaled else self.scale
+            scale = 1.0 if job.scale_applied else self.scale
+            # the sum as it travelled, this step's own flat copy: the gradients may view it
+            alias = job.scale_applied and flat is job.payload.data
             averaged = []
             for j, total in split(flat, bucket.numels):
                 i = bucket.indices[j]
                 p = self.params[i]
                 if into_grads:
-                    set_grad(p, total, scale, alias=job.scaled)
+                    set_grad(p, total, scale, alias)
                     averaged.append((i, p.grad))
                 else:
                     averaged.append((i, scaled_in(total, p.dtype, scale).view(p.shape)))
