@@ -104,10 +104,12 @@ def restored_steps(directory):
             for row in logged(directory, rank) if "restored" in row}
 
 
-# one method of each kind of state a commit carries: none, error-feedback residuals (gTop-k), a
-# delayed step in flight (OD-SGD); every method's state through a restore is in the test above
-@pytest.mark.parametrize("method", ["none", "gtopk", "od-sgd"])
-@pytest.mark.parametrize("point", ["after", "commit"])
+# Each kind of state a commit carries, killed once its step's gradients are sent: error-feedback
+# residuals (gTop-k) and a delayed step in flight (OD-SGD); killed inside the commit, which
+# commit the survivors agree on: plain SGD and OD-SGD. Every method's state through a restore is
+# in the test above.
+@pytest.mark.parametrize("point, method", [("after", "gtopk"), ("after", "od-sgd"),
+                                           ("commit", "none"), ("commit", "od-sgd")])
 def test_a_rank_killed_around_a_commit_is_survived_exactly(tmp_path, method, point):
     """Rank 3 of 4 is killed in step 8, whose end is a commit: after its opt.step() (its
     gradients sent), or inside the commit once it has saved it. The survivors must restore

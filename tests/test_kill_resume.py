@@ -140,10 +140,9 @@ def check_kill_and_resume(method, how, tmp_path):
             assert torch.equal(a[name], b[name]), (method, r, name)
 
 
-@pytest.mark.parametrize("method, n", [("none", 2), ("none", 3), ("gtopk", 3), ("od-sgd", 3),
-                                       ("p3", 3)])
-def test_kill_then_resume_one_node(method, n, tmp_path):
-    check_kill_and_resume(method, OneNode(n), tmp_path)
+@pytest.mark.parametrize("method", ["none", "gtopk", "od-sgd", "p3"])
+def test_kill_then_resume_one_node(method, tmp_path):
+    check_kill_and_resume(method, OneNode(3), tmp_path)
 
 
 @pytest.mark.skipif(netem.unsupported_reason() is not None,

@@ -15,8 +15,8 @@ def run(n, *args, env=None, timeout=120):
     return proc, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_stall_is_reported_with_the_missing_rank(n):
+def test_a_stall_is_reported_with_the_missing_rank():
+    n = 3  # the report must pick the one late rank out of several
     proc, _ = run(n, "stall", "10", env={"HVCOMM_STALL_CHECK_S": "2"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -46,8 +46,8 @@ def test_a_bad_setting_ends_the_job_with_its_name(variable, bad):
     assert "rank 0 sum" not in out and took < 60, took
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_failure_on_one_rank_raises_on_the_others(n):
+def test_a_failure_on_one_rank_raises_on_the_others():
+    n = 3  # two ranks, not one, must hear of the last one's failure
     proc, took = run(n, "fail")
     out = proc.stdout + proc.stderr
     for r in range(n - 1):

@@ -15,8 +15,8 @@ def digests(n):
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_two_runs_give_identical_weights(n):
+def test_two_runs_give_identical_weights():
+    n = 3  # an odd size: the sums in the most orders
     first, second = digests(n), digests(n)
     assert first == second, {m: (first[m][:12], second[m][:12]) for m in first
                              if first[m] != second[m]}
