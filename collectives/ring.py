@@ -244,8 +244,8 @@ def iring_allreduce(comm, x: np.ndarray, *, bfloat16: bool = False, add: Optiona
     a pass after the sum would touch all of it). ``chunk_bytes``: the pipeline's unit (default
     :data:`CHUNK_BYTES` of the transport, :func:`ring_transport`). Calls in flight together
     on one communicator need distinct tags. ``check``: the ranks first agree (one small
-    allgather) that they pass the same size, kind, ``chunk_bytes`` and ``tag``, else every
-    rank raises HvcommError.
+    allgather) that they pass the same size, kind, ``scale``, ``chunk_bytes`` and ``tag`` and
+    have the same transport, else every rank raises HvcommError.
 
     Cost: 2(P-1) chunk latencies to fill the pipeline, 2(P-1)/P * bytes on every link.
     """

@@ -74,9 +74,9 @@ def last_commit_before(step):
     return step // COMMIT_EVERY * COMMIT_EVERY
 
 
-@pytest.mark.parametrize("method, victim, how", [
+@pytest.mark.parametrize("method, victim, how", [  # (Random-k: gTop-k's state; OD-SGD: below)
     ("none", 3, "kill"), ("none", 3, "raise"), ("none", 0, "kill"), ("gtopk", 3, "kill"),
-    ("randomk", 3, "kill"), ("powersgd", 3, "kill"), ("od-sgd", 3, "kill"), ("p3", 3, "kill")])
+    ("powersgd", 3, "kill"), ("p3", 3, "kill")])
 def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
     """4 ranks, one ends mid-epoch (step 10 of 48, after its backward pass, while the others
     wait for its gradients): SIGKILLed, or ("raise") an exception escapes with
@@ -104,10 +104,8 @@ def restored_steps(directory):
             for row in logged(directory, rank) if "restored" in row}
 
 
-# Each kind of state a commit carries, killed once its step's gradients are sent: error-feedback
-# residuals (gTop-k) and a delayed step in flight (OD-SGD); killed inside the commit, which
-# commit the survivors agree on: plain SGD and OD-SGD. Every method's state through a restore is
-# in the test above.
+# After its gradients went: residuals (gTop-k), a delayed step in flight (OD-SGD); inside the
+# commit: which commit is restored. Each other kind of state through a restore: the test above.
 @pytest.mark.parametrize("point, method", [("after", "gtopk"), ("after", "od-sgd"),
                                            ("commit", "none"), ("commit", "od-sgd")])
 def test_a_rank_killed_around_a_commit_is_survived_exactly(tmp_path, method, point):

@@ -111,9 +111,9 @@ class Synchronous(Strategy):
         finished, so the caller's use of them overlaps the later buckets' communication.
         ``into_grads``: each average goes into its parameter's ``.grad`` (:func:`set_grad`:
         a dense sum sent as it is becomes ``.grad`` itself, as views), which is what is
-        yielded. Sets ``comm_stats`` and ``comm_end``
-        once exhausted. If a bucket's collective raises, the buckets before it have been
-        handed over and the rest not (a failure: elastic restores the state)."""
+        yielded. Sets ``comm_stats`` and ``comm_end`` once exhausted. If a bucket's
+        collective raises, the buckets before it have been handed over and the rest not (a
+        failure: elastic restores the state)."""
         stats, comm_end = CommStats(), 0.0
         for bucket, job in launched:
             flat, sent, payload_bytes = job.finish()  # the decoded sum: this step's own
