@@ -74,9 +74,9 @@ def last_commit_before(step):
     return step // COMMIT_EVERY * COMMIT_EVERY
 
 
-@pytest.mark.parametrize("method, victim, how", [  # (Random-k: gTop-k's state; OD-SGD: below)
+@pytest.mark.parametrize("method, victim, how", [  # (Random-k keeps only the step count)
     ("none", 3, "kill"), ("none", 3, "raise"), ("none", 0, "kill"), ("gtopk", 3, "kill"),
-    ("powersgd", 3, "kill"), ("p3", 3, "kill")])
+    ("powersgd", 3, "kill"), ("od-sgd", 3, "kill"), ("p3", 3, "kill")])
 def test_a_lost_rank_is_survived_exactly(tmp_path, method, victim, how):
     """4 ranks, one ends mid-epoch (step 10 of 48, after its backward pass, while the others
     wait for its gradients): SIGKILLed, or ("raise") an exception escapes with
