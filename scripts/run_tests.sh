@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite: set up (idempotent), the lint (ruff, configured in pyproject.toml), then
-# pytest (MPI tests launch their own mpirun). Arguments are pytest options (-x, --durations=N).
+# pytest (MPI tests launch their own mpirun). Arguments are pytest options (-x, --durations=N),
+# given to both halves below; not test paths.
 #
 # The Slurm tests (tests/test_slurm.py) spend most of their minutes waiting on Slurm's clock: a
 # time limit is checked every 30 s and a job starts on the scheduler's next pass. So they run
 # in a second pytest beside the rest, with their own emulated nodes (hvs-, 198.18.1) apart from
-# the other tests' (hvc-, 198.18.0); their report follows the main one's.
+# the other tests' (hvc-, 198.18.0) and a cache of their own; their report follows the main one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
@@ -14,16 +15,31 @@ cd "$root"
 
 pytest=("$root/.venv/bin/python" -m pytest -ra --timeout=900)
 slurm_log=$(mktemp "${TMPDIR:-/tmp}/hvcomm-slurm-tests.XXXXXX")
-slurm_pid=
-# interrupted: stop the Slurm half as Ctrl-C would, so that it takes its nodes down
-trap '[ -n "$slurm_pid" ] && kill -INT "$slurm_pid" 2>/dev/null; rm -f "$slurm_log"' EXIT
-"${pytest[@]}" -p no:cacheprovider tests/test_slurm.py "$@" > "$slurm_log" 2>&1 &
-slurm_pid=$!
+halves=()
+# Ctrl-C reaches both halves from the terminal (each then takes its own hosts down); a SIGTERM
+# to this script is passed on to them as that SIGINT; either way the script waits for both.
+trap ':' INT
+trap 'kill -INT "${halves[@]}" 2>/dev/null || true' TERM
+trap 'rm -f "$slurm_log"' EXIT
+# (a background job starts with SIGINT ignored: give each half the default back)
+(trap - INT; exec "${pytest[@]}" -o cache_dir=.pytest_cache/slurm tests/test_slurm.py "$@" \
+    > "$slurm_log" 2>&1) &
+halves+=("$!")
+(trap - INT; exec "${pytest[@]}" tests --ignore=tests/test_slurm.py "$@") &
+halves+=("$!")
+
+status_of() {  # a half's exit status, once it has ended (a trap interrupts `wait`)
+    local status
+    while true; do
+        status=0
+        wait "$1" || status=$?
+        if ! kill -0 "$1" 2>/dev/null; then return "$status"; fi
+    done
+}
 main_status=0
-"${pytest[@]}" tests --ignore=tests/test_slurm.py "$@" || main_status=$?
+status_of "${halves[1]}" || main_status=$?
 slurm_status=0
-wait "$slurm_pid" || slurm_status=$?
-slurm_pid=
+status_of "${halves[0]}" || slurm_status=$?
 echo "======================== tests/test_slurm.py, run beside the rest ========================"
 cat "$slurm_log"
 # pytest's 5 is "no test collected" (a -k that selects none in one half): a failure only in both

@@ -95,6 +95,12 @@ def parse_latency_s(latency: str) -> float:
     return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
 
 
+def _probe_name(what: str) -> str:
+    """A namespace name for one check, this process's own (two test runs side by side probe at
+    once) and outside every cluster's prefix (which a cluster's start sweeps away)."""
+    return f"hvcomm-{what}-{os.getpid()}"
+
+
 def unsupported_reason() -> Optional[str]:
     """Why this machine cannot run an emulated cluster, or None when it can."""
     if os.geteuid() != 0:
@@ -102,7 +108,7 @@ def unsupported_reason() -> Optional[str]:
     for tool in ("ip", "tc", "unshare"):
         if shutil.which(tool) is None:
             return f"network emulation needs '{tool}' (Debian package iproute2)"
-    probe = PREFIX + "probe"
+    probe = _probe_name("probe")
     made = run_command("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"cannot create network namespaces here: {made.stderr.strip()}"
@@ -111,7 +117,7 @@ def unsupported_reason() -> Optional[str]:
 
 
 def netem_available() -> bool:
-    probe = PREFIX + "qprobe"
+    probe = _probe_name("qprobe")
     if run_command("ip", "netns", "add", probe, check=False).returncode != 0:
         return False
     try:
