@@ -292,6 +292,26 @@ def test_timeline():
     assert all(e["pid"] == hvd.rank() and e["dur"] >= 0 for e in spans)
 
 
+def test_p3_slices_over_the_ring(monkeypatch):
+    """With the ring taking every size, each slice is summed (and scaled) in place by
+    hvcomm's ring: the same weights as the serial run, the same on every rank."""
+    from collectives import ring
+    rings = []
+    start_ring = ring.iring_allreduce
+
+    def counted(*args, **kw):
+        rings.append(args[1].size)
+        return start_ring(*args, **kw)
+    monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", "0")
+    monkeypatch.setattr(ring, "iring_allreduce", counted)
+    model, opt = train_distributed_with(STEPS, schedule="p3", model="model", slice_elems=37)
+    opt.finish_pending()
+    assert_same_everywhere(model)
+    assert_close(model, train_serial(STEPS))
+    slices = sum(-(-p.numel() // 37) for p in model.parameters())
+    assert len(rings) == (STEPS * slices if hvd.size() > 1 else 0), (len(rings), slices)
+
+
 def test_p3_priority_slices_overtake():
     """A high-priority gradient that becomes ready while a long low-priority one is being
     sent goes next; the order is identical on every rank; the sums are right. Driven without

@@ -1,18 +1,20 @@
 """P3 priority-based parameter propagation on allreduce (ALGORITHMS.md section 4).
 
 Gradients are cut into slices of about ``slice_elems`` elements. One engine job per
-iteration sends them one Allreduce at a time, always the highest-priority slice (the
+iteration sums them in place one at a time (:func:`hvcomm.torch.sums.sum_in_place`: hvcomm's
+ring, which sleeps between polls, for large slices), always the highest-priority slice (the
 parameter closest to the input first) among those whose gradient is ready *on every rank*;
 so a slice that becomes ready overtakes queued lower-priority ones, and a slice on the wire is
 never interrupted.
 
 Ranks must issue the same collectives in the same order, and "ready" differs between ranks
-from moment to moment. So every Allreduce carries, after the slice, each rank's readiness
-vector (1 per parameter whose gradient is ready here); the sum tells every rank the same set of
-globally-ready parameters, and the next choice is a function of that shared state alone. When
-nothing globally ready is left to send, the ranks exchange readiness alone (a "negotiation"),
-each once it has something new to report. Every rank makes the same sequence of choices, so
-no collective is mismatched, whatever the timing.
+from moment to moment. So beside every slice's sum goes a small non-blocking allreduce of each
+rank's readiness vector (1 per parameter whose gradient is ready here, taken as the slice
+starts); the sum tells every rank the same set of globally-ready parameters, and the next
+choice is a function of that shared state alone. When nothing globally ready is left to send,
+the ranks exchange readiness alone (a "negotiation"), each once it has something new to
+report. Every rank makes the same sequence of choices, so no collective is mismatched,
+whatever the timing.
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ import numpy as np
 import torch
 
 from .. import timeline
+from ..sums import sum_in_place
 from .base import ScheduleMethod
 from .compressor import sends_as_is
 from .payload import ring_bytes
-from .buckets import CommStats, as_numpy, flat_grad
+from .buckets import CommStats, flat_grad
 from .strategy import (BaseStep, NextForward, Strategy, in_flight_error, may_update_in_parts,
                        model_problem)
 
@@ -44,16 +47,17 @@ class P3Round:
     """The gradients of one iteration: filled by :meth:`ready` on the main thread, sent by
     :meth:`job` on the engine thread, read with :meth:`wait` (sums over ranks, flat)."""
 
-    def __init__(self, numels: Sequence[int], names: Sequence[str], slice_elems: int):
+    def __init__(self, numels: Sequence[int], names: Sequence[str], slice_elems: int,
+                 scale: float = 1.0):
         self.n = len(numels)
+        self.scale = scale  # each sum comes back multiplied by it
         self.names = list(names)
         self.bounds: List[List[tuple]] = [
             [(lo, min(lo + slice_elems, n)) for lo in range(0, max(n, 1), slice_elems)]
             for n in numels]
         self._cond = threading.Condition()
         self._local = np.zeros(self.n, bool)
-        self._send: List[Optional[np.ndarray]] = [None] * self.n
-        self.results: List[Optional[torch.Tensor]] = [None] * self.n
+        self.results: List[Optional[torch.Tensor]] = [None] * self.n  # summed in place
         self._done = [threading.Event() for _ in range(self.n)]
         self._error: Optional[BaseException] = None
         self.messages = 0
@@ -64,12 +68,12 @@ class P3Round:
 
     # -- main thread -----------------------------------------------------------------------
     def ready(self, i: int, flat: torch.Tensor) -> None:
-        """Hand over parameter i's final local gradient (a private flat CPU copy)."""
+        """Hand over parameter i's final local gradient (a private flat CPU copy, which
+        becomes its sum times ``scale``)."""
         with self._cond:
             if self._local[i]:
                 return
-            self._send[i] = as_numpy(flat)
-            self.results[i] = torch.empty_like(flat)
+            self.results[i] = flat
             self._local[i] = True
             self._cond.notify()
 
@@ -116,18 +120,17 @@ class P3Round:
                 continue
             i = cand
             lo, hi = self.bounds[i][next_slice[i]]
-            src = self._send[i]
-            buf = np.empty(hi - lo + self.n, dtype=src.dtype)
-            buf[:hi - lo] = src[lo:hi]
-            with self._cond:
-                buf[hi - lo:] = self._local
+            with self._cond:  # what is ready here travels beside the slice
+                news = self._local.astype(np.float64)
+            request = comm.Iallreduce(MPI.IN_PLACE, news, op=MPI.SUM)
+            part = self.results[i][lo:hi]
             with timeline.measure(f"p3 {self.names[i]}[{lo}:{hi}]", "comm"):
-                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            as_numpy(self.results[i])[lo:hi] = buf[:hi - lo]
-            everywhere |= buf[hi - lo:] > size - 0.5
+                sum_in_place(comm, part, self.scale)
+                request.Wait()
+            everywhere |= news > size - 0.5
             self.messages += 1
-            self.payload_bytes += (hi - lo) * buf.itemsize
-            self.sent_bytes += ring_bytes(comm, buf.nbytes)
+            self.payload_bytes += part.numel() * part.element_size()
+            self.sent_bytes += ring_bytes(comm, part.numel() * part.element_size() + news.nbytes)
             self._slice_sent(i, next_slice[i])
             next_slice[i] += 1
             left -= 1
@@ -161,7 +164,7 @@ class P3(Strategy):
         self.finish_pending()  # a parameter used before its owner's forward
         if self._round is None:
             self._round = P3Round([p.numel() for p in self.params], self.names,
-                                  self.slice_elems)
+                                  self.slice_elems, self.scale)
             self._engine.open_stream("a DistributedOptimizer(schedule='p3') round")
             self._round_handle = self._engine.submit(self._round.job)
         self._round.ready(i, flat_grad([self.params[i]], self.predivide))
@@ -181,8 +184,7 @@ class P3(Strategy):
     def _averages(self, r: P3Round, indices):
         """Wait for these parameters' sums: (position, the average in its shape)."""
         for i in sorted(indices):
-            total = r.wait(i)
-            yield i, (total * self.scale if self.scale != 1.0 else total).view_as(self.params[i])
+            yield i, r.wait(i).view_as(self.params[i])
 
     def _round_stats(self, r: P3Round) -> CommStats:
         self._round_handle.wait()
@@ -231,12 +233,12 @@ def p3_period_s(case, iterations: int = 5) -> float:
     exchange their readiness (one small allreduce) once a gradient is ready, as the runtime
     does. The next iteration's forward of a layer waits only for that layer's slices and its
     share of the update. Each slice is one allreduce at the cluster's cost (hierarchical on
-    nodes of several GPUs, where each slice pays the reduce and broadcast inside the node)."""
+    nodes of several GPUs, where each slice pays the reduce and broadcast inside the node),
+    the readiness vector's allreduce beside it (the longer of the two)."""
     trace, slice_elems = case.trace, case.settings.slice_elems
     tensors = [(li, math.prod(shape)) for li, layer in enumerate(trace.layers)
                for shape in layer.tensors()]
-    vector = len(tensors) * trace.bytes_per_param        # readiness, appended to each slice
-    negotiation = case.allreduce_s(8 * len(tensors))
+    beside = negotiation = case.allreduce_s(8 * len(tensors))  # the readiness vector's sum
     done = [0.0] * len(trace.layers)  # when each layer's slices of the last iteration were summed
     t = wire = 0.0
     starts = []
@@ -266,7 +268,7 @@ def p3_period_s(case, iterations: int = 5) -> float:
                 heapq.heappush(heap, pending[at])
                 at += 1
             _, _, li, elems = heapq.heappop(heap)
-            wire += case.allreduce_s(elems * trace.bytes_per_param + vector)
+            wire += max(case.allreduce_s(elems * trace.bytes_per_param), beside)
             left[li] -= 1
             if not left[li]:
                 done[li] = wire
