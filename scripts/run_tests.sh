@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: set up (idempotent), the lint (ruff, configured in pyproject.toml), then
 # pytest (MPI tests launch their own mpirun). Arguments are pytest options (-x, --durations=N),
-# given to both halves below; not test paths.
+# given to both halves below; not test paths, nor options a run needs to itself (--junitxml,
+# --basetemp) or a terminal for (--pdb: the halves run in the background).
 #
 # The Slurm tests (tests/test_slurm.py) spend most of their minutes waiting on Slurm's clock: a
 # time limit is checked every 30 s and a job starts on the scheduler's next pass. So they run
@@ -16,16 +17,22 @@ cd "$root"
 pytest=("$root/.venv/bin/python" -m pytest -ra --timeout=900)
 slurm_log=$(mktemp "${TMPDIR:-/tmp}/hvcomm-slurm-tests.XXXXXX")
 halves=()
+interrupted=0
 # Ctrl-C reaches both halves from the terminal (each then takes its own hosts down); a SIGTERM
-# to this script is passed on to them as that SIGINT; either way the script waits for both.
+# or SIGHUP to this script is passed on to them as that SIGINT, and the script fails; either
+# way it waits for both.
 trap ':' INT
-trap 'kill -INT "${halves[@]}" 2>/dev/null || true' TERM
+trap 'interrupted=143; kill -INT "${halves[@]}" 2>/dev/null || true' TERM HUP
 trap 'rm -f "$slurm_log"' EXIT
-# (a background job starts with SIGINT ignored: give each half the default back)
-(trap - INT; exec "${pytest[@]}" -o cache_dir=.pytest_cache/slurm tests/test_slurm.py "$@" \
-    > "$slurm_log" 2>&1) &
+# A background job starts with SIGINT ignored, and a shell cannot undo an ignore it inherited
+# (e.g. when this script is itself started in the background): each half gets the default back
+# from `env --default-signal` where coreutils has it (9.1 on), else from `trap -`.
+default_int=()
+if env --default-signal=INT true 2>/dev/null; then default_int=(env --default-signal=INT); fi
+(trap - INT; exec "${default_int[@]}" "${pytest[@]}" -o cache_dir=.pytest_cache/slurm \
+    tests/test_slurm.py "$@" > "$slurm_log" 2>&1) &
 halves+=("$!")
-(trap - INT; exec "${pytest[@]}" tests --ignore=tests/test_slurm.py "$@") &
+(trap - INT; exec "${default_int[@]}" "${pytest[@]}" tests --ignore=tests/test_slurm.py "$@") &
 halves+=("$!")
 
 status_of() {  # a half's exit status, once it has ended (a trap interrupts `wait`)
@@ -42,6 +49,7 @@ slurm_status=0
 status_of "${halves[0]}" || slurm_status=$?
 echo "======================== tests/test_slurm.py, run beside the rest ========================"
 cat "$slurm_log"
+if [ "$interrupted" -ne 0 ]; then exit "$interrupted"; fi
 # pytest's 5 is "no test collected" (a -k that selects none in one half): a failure only in both
 if [ "$main_status" -eq 5 ] && [ "$slurm_status" -eq 5 ]; then exit 5; fi
 for status in "$main_status" "$slurm_status"; do

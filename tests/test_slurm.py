@@ -29,11 +29,11 @@ if netem.unsupported_reason():
 def slurm():
     """The local Slurm with 2 nodes at 1gbit; installed first if need be (skipped only when
     that is impossible here); always taken down."""
-    proc = subprocess.run([*UP, "up", "--nodes", "2", "--rate", "1gbit"], capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode == 3:
-        pytest.skip(f"Slurm cannot be installed here: {proc.stderr.strip()[-500:]}")
-    try:
+    try:  # (an interrupt while the nodes come up takes them down too)
+        proc = subprocess.run([*UP, "up", "--nodes", "2", "--rate", "1gbit"],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode == 3:
+            pytest.skip(f"Slurm cannot be installed here: {proc.stderr.strip()[-500:]}")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         yield slurm_local.slurm_env()
     finally:

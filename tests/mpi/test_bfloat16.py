@@ -1,7 +1,7 @@
 """bfloat16 through DistributedOptimizer: dense and Compression.fp16 gradients (bfloat16 stays
 bfloat16 on the wire), float32 gradients through Compression.bf16, on a small tensor (Open
-MPI's path) and a large one (the ring), each in a bucket of its own, against a serial loop over
-the simulated ranks; and the compressors that cannot take it say which can.
+MPI's path) and a large one (the ring), each in a bucket (or P3 slice) of its own, against a
+serial loop over the simulated ranks; and the compressors that cannot take it say which can.
 
 Each rank's gradient is its own input (loss = sum(w * x)): integers, times 2**20 where the wire
 is bfloat16, so every sum is exact in bfloat16 whatever the order, and would overflow float16
@@ -36,20 +36,24 @@ class Weights(torch.nn.Module):
             self.register_parameter(name, torch.nn.Parameter(start.to(dtype)))
 
 
-@pytest.mark.parametrize("param_dtype, compression, wire", [
-    (torch.bfloat16, "none", torch.bfloat16),
-    (torch.bfloat16, "fp16", torch.bfloat16),
-    (torch.float32, "fp16", torch.float16),
-    (torch.float32, "bf16", torch.bfloat16),
+@pytest.mark.parametrize("param_dtype, compression, wire, schedule", [
+    (torch.bfloat16, "none", torch.bfloat16, None),
+    (torch.bfloat16, "fp16", torch.bfloat16, None),
+    (torch.float32, "fp16", torch.float16, None),
+    (torch.float32, "bf16", torch.bfloat16, None),
+    (torch.bfloat16, "none", torch.bfloat16, "p3"),  # one slice a tensor
 ])
-def test_one_step_equals_the_serial_loop(param_dtype, compression, wire):
+def test_one_step_equals_the_serial_loop(param_dtype, compression, wire, schedule):
     scale = 2.0 ** 20 if wire == torch.bfloat16 else 1.0
     model = Weights(param_dtype)
+    how = (dict(schedule="p3", slice_elems=int(np.prod(SHAPES["large"])))
+           if schedule else dict(fusion_threshold_bytes=0))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                    named_parameters=model.named_parameters(),
                                    compression=getattr(hvd.Compression, compression),
-                                   op=hvd.Sum, fusion_threshold_bytes=0)
-    assert len(opt.plan) == len(SHAPES)  # a bucket each: the small one on Open MPI's path
+                                   op=hvd.Sum, **how)
+    if schedule is None:  # a bucket each: the small one on Open MPI's path
+        assert len(opt.plan) == len(SHAPES)
     loss = sum((p * rank_input(hvd.rank(), n, param_dtype, scale)).sum()
                for n, p in model.named_parameters())
     loss.backward()

@@ -338,7 +338,8 @@ def test_p3_priority_slices_overtake():
         assert torch.equal(rnd.wait(i), torch.full_like(grads[i], total)), i
     order = rnd.sent
     assert hvd.allgather_object(order) == [order] * n
-    # c's 6th slice carries the news that a and b are ready everywhere; then a, b, the rest of c
+    # the readiness allreduce beside c's 6th slice carries the news that a and b are ready
+    # everywhere; then a, b, the rest of c
     assert order == ([(2, s) for s in range(6)] + [(0, s) for s in range(4)]
                      + [(1, s) for s in range(3)] + [(2, s) for s in range(6, 400)]), order[:16]
     assert rnd.messages == 4 + 3 + 400

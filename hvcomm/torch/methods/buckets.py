@@ -6,10 +6,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
-
-from collectives.errors import HvcommError
 
 from collectives.merged import BucketPlan
 
@@ -168,11 +165,3 @@ def split(flat: torch.Tensor, numels: Sequence[int]) -> Iterator[Tuple[int, torc
     for i, n in enumerate(numels):
         yield i, flat[offset:offset + n]
         offset += n
-
-
-def as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a contiguous CPU tensor (clear error for what NumPy cannot hold)."""
-    if tensor.dtype == torch.bfloat16:
-        raise HvcommError("bfloat16 tensors cannot be viewed by NumPy: sum them with "
-                          "hvcomm.torch.sums.sum_in_place, move them with sums.as_bits")
-    return tensor.detach().numpy()

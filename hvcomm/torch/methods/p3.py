@@ -27,6 +27,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
+from collectives.errors import ProcessFailure
+
 from .. import timeline
 from ..sums import sum_in_place
 from .base import ScheduleMethod
@@ -45,7 +47,8 @@ def priority_key(tensor_index: int) -> int:
 
 class P3Round:
     """The gradients of one iteration: filled by :meth:`ready` on the main thread, sent by
-    :meth:`job` on the engine thread, read with :meth:`wait` (sums over ranks, flat)."""
+    :meth:`job` on the engine thread, read with :meth:`wait` (sums over ranks times
+    ``scale``, flat)."""
 
     def __init__(self, numels: Sequence[int], names: Sequence[str], slice_elems: int,
                  scale: float = 1.0):
@@ -125,7 +128,11 @@ class P3Round:
             request = comm.Iallreduce(MPI.IN_PLACE, news, op=MPI.SUM)
             part = self.results[i][lo:hi]
             with timeline.measure(f"p3 {self.names[i]}[{lo}:{hi}]", "comm"):
-                sum_in_place(comm, part, self.scale)
+                try:
+                    sum_in_place(comm, part, self.scale)
+                except BaseException as error:
+                    _settle(request, error)
+                    raise
                 request.Wait()
             everywhere |= news > size - 0.5
             self.messages += 1
@@ -136,6 +143,20 @@ class P3Round:
             left -= 1
             if next_slice[i] == len(self.bounds[i]):
                 self._done[i].set()
+
+
+def _settle(request, error: BaseException) -> None:
+    """After a slice's sum raised ``error``: wait for the readiness allreduce every rank
+    started beside it, so that it writes into no freed buffer (its own error, if any, is
+    dropped for ``error``), unless a process failed: the engine then revokes the
+    communicator, which ends it."""
+    from .. import fault
+    if isinstance(error, ProcessFailure) or fault.is_process_failure(error):
+        return
+    try:
+        request.Wait()
+    except Exception:  # noqa: BLE001 - the sum's error is the one raised
+        pass
 
 
 class P3(Strategy):
@@ -290,9 +311,6 @@ class P3Schedule(ScheduleMethod):
                     "compression=Compression.none or a merging schedule such as 'mgwfbp'")
         if not isinstance(o.slice_elems, int) or o.slice_elems < 1:
             return f"slice_elems must be a positive integer, got {o.slice_elems!r}"
-        if any(p.dtype == torch.bfloat16 for p in params):
-            return ("schedule='p3' cannot send bfloat16 gradients; use a merging schedule "
-                    "such as 'mgwfbp', or none")
         if o.model is not None:
             return model_problem(o.model, params, request.optimizer)
         return None
