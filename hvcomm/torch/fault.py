@@ -55,6 +55,12 @@ def is_process_failure(error: BaseException) -> bool:
             and enabled())
 
 
+def lost_a_process(error: BaseException) -> bool:
+    """``error`` is a lost process: hvcomm's :class:`ProcessFailure`, or the MPI error of
+    :func:`is_process_failure`."""
+    return isinstance(error, ProcessFailure) or is_process_failure(error)
+
+
 def track(*comms: MPI.Comm) -> None:
     """Revoke these communicators when a process fails."""
     _tracked.extend(c for c in comms if c != MPI.COMM_NULL)

@@ -51,7 +51,7 @@ import time
 import warnings
 from typing import Any, Callable, Optional, Tuple
 
-from collectives.errors import HvcommError, ProcessFailure
+from collectives.errors import HvcommError
 
 from .. import ending, fault
 from .. import runtime as _runtime
@@ -134,10 +134,6 @@ def _resume_from_disk(state: State) -> None:
                   f"({saved_on_disk()[0]}) on {_runtime.size()} ranks",
                   file=sys.stderr, flush=True)
         state.on_reset()  # a relaunch is a reset: the callbacks see the new size
-
-
-def _is_failure(error: BaseException) -> bool:
-    return isinstance(error, ProcessFailure) or fault.is_process_failure(error)
 
 
 def _reset() -> None:
@@ -253,16 +249,17 @@ def run(func: Optional[Callable] = None, *, min_np: Optional[int] = None,
             except Exception as e:  # noqa: BLE001 - only process failures are recovered from
                 # every survivor gets here with a failure, or with an error that every rank
                 # raises together (which a failure can cause); they agree on which it was
-                if not fault.enabled() or not (_is_failure(e) or getattr(e, "everywhere", False)):
+                lost = fault.lost_a_process(e)
+                if not fault.enabled() or not (lost or getattr(e, "everywhere", False)):
                     e.hvcomm_leave = leave  # escaping: ends the job (or this rank: "leave")
                     raise
                 detected = time.time()
-                if _is_failure(e):
+                if lost:
                     fault.revoke()  # (a failure met in this thread): the others stop waiting
                 with fault.deadline():
                     failed = fault.failed_in(_runtime.world())
                 if not failed:
-                    if _is_failure(e):
+                    if lost:
                         raise HvcommError(f"hvcomm elastic: MPI reported an error that looked "
                                           f"like a process failure ({e}), but no process of "
                                           "the job has failed; the job stops") from e

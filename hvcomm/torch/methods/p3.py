@@ -27,8 +27,6 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from collectives.errors import ProcessFailure
-
 from .. import timeline
 from ..sums import sum_in_place
 from .base import ScheduleMethod
@@ -136,8 +134,9 @@ class P3Round:
                 request.Wait()
             everywhere |= news > size - 0.5
             self.messages += 1
-            self.payload_bytes += part.numel() * part.element_size()
-            self.sent_bytes += ring_bytes(comm, part.numel() * part.element_size() + news.nbytes)
+            nbytes = part.numel() * part.element_size()
+            self.payload_bytes += nbytes
+            self.sent_bytes += ring_bytes(comm, nbytes + news.nbytes)
             self._slice_sent(i, next_slice[i])
             next_slice[i] += 1
             left -= 1
@@ -151,7 +150,7 @@ def _settle(request, error: BaseException) -> None:
     dropped for ``error``), unless a process failed: the engine then revokes the
     communicator, which ends it."""
     from .. import fault
-    if isinstance(error, ProcessFailure) or fault.is_process_failure(error):
+    if fault.lost_a_process(error):
         return
     try:
         request.Wait()
