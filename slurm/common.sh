@@ -23,7 +23,7 @@ cd "${SLURM_SUBMIT_DIR:-.}"
 #   SIGTERM (scontrol requeue, preemption, scancel, the time limit itself): measured on Slurm
 #     22.05 (scripts/slurm_local.sh, proctrack/linuxproc): Slurm sends SIGCONT and SIGTERM at the
 #     same moment to every process of the job (this shell, srun or mpirun and Open MPI's
-#     daemons, every rank), and SIGKILL KillWait seconds later (slurm.conf; default 30 s, 5 s on
+#     daemons, every rank), and SIGKILL KillWait seconds later (slurm.conf; default 30 s, 15 s on
 #     the local Slurm). The ranks have the signal themselves and checkpoint at their next step
 #     if they are left that long. Under srun they are (srun waits KillWait + 2 s for its tasks;
 #     a checkpoint was written with 2 s steps). Under mpirun they are not: Open MPI's daemons

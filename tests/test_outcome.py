@@ -1,7 +1,10 @@
 """The job's outcome record and the launchers that read it (hvcomm.cluster.outcome,
 slurm/common.sh), and durable files (hvcomm.durable, hvcomm.torch.checkpoint): no MPI job."""
 import os
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -106,3 +109,37 @@ def test_a_batch_job_fails_unless_its_ranks_recorded_completion(tmp_path, launch
     (tmp_path / "outcome.json").write_text('{"outcome": "completed"}')  # a previous run's
     got, out = run_requeueable(tmp_path, launcher)
     assert got == status and says in out, out
+
+
+def test_a_signal_as_a_finished_job_exits_does_not_fail_it(tmp_path):
+    """Slurm's time-limit warning can reach the ranks (forwarded by the batch script) just as
+    the job ends. Once the program has ended, the preemption handlers must not give SIGUSR1
+    back its default action: the process that has recorded "completed" would die of it and
+    the launcher report the job failed. Here: SIGUSR1 every millisecond from the moment the
+    handlers are in place until the process has exited."""
+    program = ("from hvcomm.torch import preemption\n"
+               "preemption.install()\n"
+               "import hvcomm.torch as hvd\n"
+               "hvd.init()\n"
+               "print('training done', flush=True)\n")
+    path = tmp_path / "outcome.json"
+    env = dict(os.environ, HVCOMM_OUTCOME_FILE=str(path), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", program], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline() == "training done\n"
+        signals = 0
+        while proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:  # exited between poll and kill
+                break
+            signals += 1
+            time.sleep(0.001)
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0, (signals, rest)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert signals > 0  # the exit was signalled at least once
+    assert outcome.verdict(path, proc.returncode)[0] == 0

@@ -67,7 +67,9 @@ TmpFS={state}/node-tmp
 ReturnToService=2
 SlurmdTimeout=60
 InactiveLimit=0
-KillWait=5
+# SIGTERM to SIGKILL (default 30 s): at 5 s a busy machine's srun job was killed after its
+# ranks had checkpointed but before the batch shell had logged it
+KillWait=15
 MinJobAge=600
 # a requeued job waits cred_expire seconds before it may start again (default 120 s)
 AuthInfo=cred_expire=10
