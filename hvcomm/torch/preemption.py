@@ -18,12 +18,13 @@ rank together::
 rank as soon as any rank has been signalled, so the ranks all stop after the same step even
 though a launcher delivers the signal to each at a different moment (or to only some).
 
-Once the program has ended (Python's atexit), the signals are ignored: there is no step left to
-checkpoint at, and Python's finalization would give them back their default action, so a
-signal in the last moments of a finished job (Slurm's time-limit warning, forwarded by the
-batch script) would end a rank after the job had recorded that it completed, and the launcher
-would report it as failed (measured: ``mpirun`` exited 138 for a SIGUSR1 0.05-0.8 s after the
-ranks' last collective).
+Once the program has ended (Python's atexit), the warning signals (SIGUSR1, and any other
+installed but SIGTERM and SIGINT) are ignored: there is no step left to checkpoint at, and
+Python's finalization would give them back their default action, so Slurm's time-limit warning,
+forwarded by the batch script as the job finishes, would end a rank after the job had recorded
+that it completed, and the launcher would report it as failed (measured: ``mpirun`` exited 138
+for a SIGUSR1 0.05-0.8 s after the ranks' last collective). SIGTERM and SIGINT get their default
+action back as before: a process that hangs on its way out stays easy to end.
 
 The module holds no other state and knows nothing of elastic training; with one process it works
 as well (the allreduce of one value).
@@ -41,6 +42,8 @@ __all__ = ["install", "installed", "signalled", "received", "requested", "uninst
 # handler does (no lock, no I/O, no MPI)
 _received: Optional[int] = None    # the first signal number received; None: none yet
 _previous: Dict[int, object] = {}  # signal number -> the handler installed before ours
+# signals that keep their default action (ending the process) once the program has ended
+_ENDING = (int(_signal.SIGTERM), int(_signal.SIGINT))
 
 
 def _handler(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
@@ -73,10 +76,11 @@ def install(signals: Iterable[int] = (_signal.SIGUSR1, _signal.SIGTERM)) -> None
 
 
 def _ignore_at_exit() -> None:
-    """atexit: the program has ended, so the signals still handled here are ignored from now on
-    (not given back their default action by Python's finalization; see the module's text)."""
+    """atexit: the program has ended, so the warning signals still handled here are ignored
+    from now on (not given back their default action by Python's finalization); SIGTERM and
+    SIGINT are left to it (see the module's text)."""
     for signum in _previous:
-        if _signal.getsignal(signum) is _handler:
+        if signum not in _ENDING and _signal.getsignal(signum) is _handler:
             _signal.signal(signum, _signal.SIG_IGN)
 
 
