@@ -137,20 +137,21 @@ def worker(args) -> None:
                                               "compute_s": statistics.median(compute)}))
 
 
-def bound_s(method: str, p: int, net: str):
-    """The ring's transfer time of the method's bytes on one link, None on shared memory."""
+def bound_s(method: str, p: int, net: str, dilate: float = 1):
+    """The ring's transfer time of the method's bytes on one link (slowed ``dilate`` times),
+    None on shared memory."""
     if net == "shm":
         return None
-    return ddp_peer.ring_bytes(_wire_bytes(method), p) * 8 / report.parse_rate_bit_s(net)
+    return ddp_peer.ring_bytes(_wire_bytes(method), p) * 8 * dilate / report.parse_rate_bit_s(net)
 
 
-def rows_for(net: str, label: str, p: int, res: dict, methods=METHODS):
+def rows_for(net: str, label: str, p: int, res: dict, methods=METHODS, dilate: float = 1):
     rows = []
     for method in methods:
         h, d = res["runs"][f"hvcomm {method}"], res["runs"][f"DDP {method}"]
         hs, ds = statistics.median(h), statistics.median(d)
         hc, dc = (statistics.median(res["cpu"][f"{t} {method}"]) for t in ("hvcomm", "DDP"))
-        b = bound_s(method, p, net)
+        b = bound_s(method, p, net, dilate)
         rows.append({
             "network": label, "P": p, "method": method,
             "DDP step (s)": f"{ds:.3f}", "hvcomm step (s)": f"{hs:.3f}",
@@ -178,11 +179,16 @@ def main() -> None:
                     help="hvcomm with model=model: each update applied at the next forward")
     ap.add_argument("--transport", choices=("mpi", "tcp"), default="mpi",
                     help="HVCOMM_RING_TRANSPORT for hvcomm's ring (collectives.tcp: tcp)")
+    ap.add_argument("--dilate", type=float, default=1, metavar="D",
+                    help="time dilation: links at rate / D, so that D ranks sharing a core see "
+                         "the network of a cluster with a core each (P = 4 on 2 cores: D = 2)")
     ap.add_argument("--name", default="ddp")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.dilate != 1 and "shm" in args.nets:
+        ap.error("--dilate slows emulated links; drop shm from --nets")
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-ddp-"))
     labels = {}
     for net_asked in args.nets:
@@ -195,8 +201,10 @@ def main() -> None:
                                         str(args.repeats), "--methods", *args.methods,
                                         "--transport", args.transport,
                                         *(["--at-forward"] if args.at_forward else [])],
-                                    timeout=3000, out=tmp / f"{net}-{p}.json", net=net)
-            new = rows_for(net, net_asked, p, res, args.methods)
+                                    timeout=3000, out=tmp / f"{net}-{p}.json", net=net,
+                                    dilate=args.dilate)
+            shown = net_asked if args.dilate == 1 else f"{net_asked} / {args.dilate:g}"
+            new = rows_for(net, shown, p, res, args.methods, args.dilate)
             for r in new:
                 print(r, flush=True)
             rows += new
@@ -215,6 +223,11 @@ def main() -> None:
                      networks="; ".join(f"{k}: {v}" for k, v in labels.items()),
                      oversubscription="P > 2 shares 2 cores: P = 4 and 8 are oversubscribed, "
                                       "and their steps measure the CPU as much as the network",
+                     **({"dilation": f"{args.dilate:g}: every link shaped to its rate / "
+                                     f"{args.dilate:g}, the bound likewise (rows: rate / D); "
+                                     "the computation, slowed by the ranks sharing a core, "
+                                     "keeps its share of the step as on a cluster with a core "
+                                     "per rank"} if args.dilate != 1 else {}),
                      ddp="gloo backend; dense: default 25 MiB buckets; fp16: "
                          "fp16_compress_hook; PowerSGD: powerSGD_hook, rank 4, error feedback, "
                          f"warm start, from step 2, one bucket (bucket_cap_mb="

@@ -8,8 +8,9 @@
 # time limit is checked every 30 s and a job starts on the scheduler's next pass. So they run
 # in a second pytest beside the rest, with their own emulated nodes (hvs-, 198.18.1) apart from
 # the other tests' (hvc-, 198.18.0) and a cache of their own; their report follows the main one.
-# The collectives' MPI suites (no emulated hosts) run after them in that pytest, to use the
-# cores the Slurm tests leave idle: the main run is the longer by far (33 against 9 minutes).
+# The MPI suites of the collectives and of hvcomm.torch (tests/test_collectives_mpi.py,
+# tests/test_torch_mpi.py: no emulated hosts) run after them in that pytest, on the cores the
+# Slurm tests leave idle, so that the two halves take about as long (docs/testing.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
@@ -32,10 +33,11 @@ trap 'rm -f "$slurm_log"' EXIT
 default_int=()
 if env --default-signal=INT true 2>/dev/null; then default_int=(env --default-signal=INT); fi
 (trap - INT; exec "${default_int[@]}" "${pytest[@]}" -o cache_dir=.pytest_cache/slurm \
-    tests/test_slurm.py tests/test_collectives_mpi.py "$@" > "$slurm_log" 2>&1) &
+    tests/test_slurm.py tests/test_collectives_mpi.py tests/test_torch_mpi.py "$@" \
+    > "$slurm_log" 2>&1) &
 halves+=("$!")
 (trap - INT; exec "${default_int[@]}" "${pytest[@]}" tests --ignore=tests/test_slurm.py \
-    --ignore=tests/test_collectives_mpi.py "$@") &
+    --ignore=tests/test_collectives_mpi.py --ignore=tests/test_torch_mpi.py "$@") &
 halves+=("$!")
 
 status_of() {  # a half's exit status, once it has ended (a trap interrupts `wait`)
@@ -50,7 +52,7 @@ main_status=0
 status_of "${halves[1]}" || main_status=$?
 slurm_status=0
 status_of "${halves[0]}" || slurm_status=$?
-echo "========= tests/test_slurm.py and test_collectives_mpi.py, run beside the rest ========="
+echo "=== tests/test_slurm.py, test_collectives_mpi.py, test_torch_mpi.py: run beside the rest ==="
 cat "$slurm_log"
 if [ "$interrupted" -ne 0 ]; then exit "$interrupted"; fi
 # pytest's 5 is "no test collected" (a -k that selects none in one half): a failure only in both

@@ -66,9 +66,6 @@ def install(signals: Iterable[int] = (_signal.SIGUSR1, _signal.SIGTERM)) -> None
     for sig in signals:
         if sig in (_signal.SIGKILL, _signal.SIGSTOP):
             raise ValueError(f"{sig.name} cannot be caught")
-    if not _previous:  # the first call (or the first since uninstall)
-        atexit.unregister(_ignore_at_exit)
-        atexit.register(_ignore_at_exit)
     for sig in signals:
         previous = _signal.signal(sig, _handler)
         if previous is not _handler:
@@ -82,6 +79,9 @@ def _ignore_at_exit() -> None:
     for signum in _previous:
         if signum not in _ENDING and _signal.getsignal(signum) is _handler:
             _signal.signal(signum, _signal.SIG_IGN)
+
+
+atexit.register(_ignore_at_exit)  # (does nothing unless install() was called)
 
 
 def uninstall() -> None:
