@@ -30,6 +30,8 @@ from pathlib import Path
 
 import ddp_peer
 import report
+from hvcomm.cluster.netem import check_dilation
+from collectives.errors import HvcommError
 
 WIDTH, LAYERS = 1600, 10  # 10 x (1600*1600 + 1600) = 25.6M parameters, 102 MB of float32
 METHODS = ddp_peer.METHODS
@@ -180,19 +182,27 @@ def main() -> None:
     ap.add_argument("--transport", choices=("mpi", "tcp"), default="mpi",
                     help="HVCOMM_RING_TRANSPORT for hvcomm's ring (collectives.tcp: tcp)")
     ap.add_argument("--dilate", type=float, default=1, metavar="D",
-                    help="time dilation: links at rate / D, so that D ranks sharing a core see "
-                         "the network of a cluster with a core each (P = 4 on 2 cores: D = 2)")
-    ap.add_argument("--name", default="ddp")
+                    help="time dilation: links at rate / D, so that P = D x cores ranks, D to a "
+                         "core, see the network of a cluster with a core each (P = 4 on 2 "
+                         "cores: D = 2); emulated networks only (no shm in --nets)")
+    ap.add_argument("--name", help="results/NAME.md (default: ddp, or ddp_dilated<D>)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    try:
+        check_dilation(args.dilate)
+    except HvcommError as err:
+        ap.error(str(err))
     if args.dilate != 1 and "shm" in args.nets:
         ap.error("--dilate slows emulated links; drop shm from --nets")
+    name = args.name or ("ddp" if args.dilate == 1 else f"ddp_dilated{args.dilate:g}")
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-ddp-"))
     labels = {}
     for net_asked in args.nets:
         net, label = report.resolve_net(net_asked)
+        if net == "shm" and args.dilate != 1:
+            ap.error(f"--dilate needs emulated links; {net_asked} would run on {label}")
         labels[net_asked] = label
         for p in args.sizes:
             res = report.run_worker(p, [__file__, "--worker", "--batch",
@@ -211,7 +221,7 @@ def main() -> None:
     text = report.table(rows)
     print(text)
     params = LAYERS * (WIDTH * WIDTH + WIDTH)
-    report.write(args.name, "hvcomm against PyTorch DDP (gloo), same model, hosts and threads",
+    report.write(name, "hvcomm against PyTorch DDP (gloo), same model, hosts and threads",
                  report.setting(
                      model=f"{LAYERS} x Linear({WIDTH},{WIDTH}), {params:,} parameters (float32), "
                            f"batch {args.batch} per rank, plain SGD",
@@ -225,9 +235,12 @@ def main() -> None:
                                       "and their steps measure the CPU as much as the network",
                      **({"dilation": f"{args.dilate:g}: every link shaped to its rate / "
                                      f"{args.dilate:g}, the bound likewise (rows: rate / D); "
-                                     "the computation, slowed by the ranks sharing a core, "
-                                     "keeps its share of the step as on a cluster with a core "
-                                     "per rank"} if args.dilate != 1 else {}),
+                                     f"at P = {args.dilate * (os.cpu_count() or 1):g} "
+                                     f"({args.dilate:g} ranks to each of {os.cpu_count()} "
+                                     "cores) the computation, slowed by the sharing, keeps "
+                                     "its share of the step as on a cluster with a core per "
+                                     "rank; other P are dilated too much or too little"}
+                        if args.dilate != 1 else {}),
                      ddp="gloo backend; dense: default 25 MiB buckets; fp16: "
                          "fp16_compress_hook; PowerSGD: powerSGD_hook, rank 4, error feedback, "
                          f"warm start, from step 2, one bucket (bucket_cap_mb="

@@ -81,7 +81,7 @@ def _ignore_at_exit() -> None:
             _signal.signal(signum, _signal.SIG_IGN)
 
 
-atexit.register(_ignore_at_exit)  # (does nothing unless install() was called)
+atexit.register(_ignore_at_exit)  # (does nothing unless install() was called, not undone)
 
 
 def uninstall() -> None:
