@@ -10,7 +10,8 @@
 # the other tests' (hvc-, 198.18.0) and a cache of their own; their report follows the main one.
 # The MPI suites of the collectives and of hvcomm.torch (tests/test_collectives_mpi.py,
 # tests/test_torch_mpi.py: no emulated hosts) run after them in that pytest, on the cores the
-# Slurm tests leave idle, so that the two halves take about as long (docs/testing.md).
+# Slurm tests leave idle: the halves then take about as long, though the whole is no shorter
+# on two busy cores (docs/testing.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
