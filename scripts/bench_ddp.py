@@ -194,16 +194,14 @@ def main() -> None:
         check_dilation(args.dilate)
     except HvcommError as err:
         ap.error(str(err))
-    if args.dilate != 1 and "shm" in args.nets:
-        ap.error("--dilate slows emulated links; drop shm from --nets")
+    resolved = {asked: report.resolve_net(asked) for asked in args.nets}  # asked -> (net, label)
+    on_shm = [asked for asked, (net, _) in resolved.items() if net == "shm"]
+    if args.dilate != 1 and on_shm:
+        ap.error(f"--dilate slows emulated links; {', '.join(on_shm)} would run on shared memory "
+                 "(drop shm from --nets)")
     name = args.name or ("ddp" if args.dilate == 1 else f"ddp_dilated{args.dilate:g}")
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="hvcomm-ddp-"))
-    labels = {}
-    for net_asked in args.nets:
-        net, label = report.resolve_net(net_asked)
-        if net == "shm" and args.dilate != 1:
-            ap.error(f"--dilate needs emulated links; {net_asked} would run on {label}")
-        labels[net_asked] = label
+    for net_asked, (net, _) in resolved.items():
         for p in args.sizes:
             res = report.run_worker(p, [__file__, "--worker", "--batch",
                                         str(args.batch), "--warmup", str(args.warmup),
@@ -221,6 +219,7 @@ def main() -> None:
     text = report.table(rows)
     print(text)
     params = LAYERS * (WIDTH * WIDTH + WIDTH)
+    cores = os.cpu_count() or 1
     report.write(name, "hvcomm against PyTorch DDP (gloo), same model, hosts and threads",
                  report.setting(
                      model=f"{LAYERS} x Linear({WIDTH},{WIDTH}), {params:,} parameters (float32), "
@@ -230,13 +229,13 @@ def main() -> None:
                             "slowest rank's step; the steps back to back after one barrier, "
                             "each from its start to the next one's); rows give the median "
                             "over runs and the runs' range",
-                     networks="; ".join(f"{k}: {v}" for k, v in labels.items()),
+                     networks="; ".join(f"{k}: {label}" for k, (_, label) in resolved.items()),
                      oversubscription="P > 2 shares 2 cores: P = 4 and 8 are oversubscribed, "
                                       "and their steps measure the CPU as much as the network",
                      **({"dilation": f"{args.dilate:g}: every link shaped to its rate / "
                                      f"{args.dilate:g}, the bound likewise (rows: rate / D); "
-                                     f"at P = {args.dilate * (os.cpu_count() or 1):g} "
-                                     f"({args.dilate:g} ranks to each of {os.cpu_count()} "
+                                     f"at P = {args.dilate * cores:g} "
+                                     f"({args.dilate:g} ranks to each of {cores} "
                                      "cores) the computation, slowed by the sharing, keeps "
                                      "its share of the step as on a cluster with a core per "
                                      "rank; other P are dilated too much or too little"}
