@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Generator, List
+from typing import TYPE_CHECKING, Any, Callable, Generator, List
 
 from .errors import env_number
 
@@ -44,9 +44,11 @@ class Pending:
         self._requests: list = []
         self._done = False
         self._result: Any = None
+        self.rounds = 0  # rounds of requests completed so far: a poller's sign of progress
         self._advance()
 
     def _advance(self) -> None:
+        self.rounds += 1
         try:
             self._requests = self._schedule.send(None)
         except StopIteration as stop:
@@ -58,6 +60,14 @@ class Pending:
             while not self._done and _all_complete(self._requests):
                 self._advance()
         return self._done
+
+    def then(self, fn: Callable[[Any], Any]) -> "Pending":
+        """A handle on the same work whose result is ``fn(result)``, called as it finishes."""
+        def schedule():
+            while not self.test():
+                yield self._requests
+            return fn(self._result)
+        return Pending(schedule())
 
     def wait(self) -> Any:
         """Block until finished and return the result; between polls of the requests in

@@ -1,15 +1,25 @@
 """One background thread per process that runs tensor collectives in submission order."""
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Optional
 
 from collectives.errors import HvcommError
+from collectives.handle import FIRST_SLEEP_S, longest_sleep_s
 
 from . import fault, timeline
 from .watchdog import peer_error
+
+# Collectives a job's ``start`` may have under way at once, and their tags: a bucket's ring
+# starts while the last chunks of the one before it are still on the wire, so that no link
+# waits between buckets: one after another, each ring's last chunks crossed one link while the
+# others idled (docs/benchmarks.md, "Two buckets on the wire at once").
+IN_FLIGHT = 2
+START_TAGS = (7421, 7422)
 
 
 class Handle:
@@ -41,13 +51,30 @@ class Handle:
         return self._result
 
 
+@dataclass
+class _Started:
+    """A job whose collective was started (``start``) and is not yet finished."""
+
+    pending: Any         # a collectives.handle.Pending
+    handle: Handle
+    name: Optional[str]
+    label: str
+    since: float         # time.monotonic() at its start
+    start_us: float      # timeline.Timeline.now_us() at its start
+    done: bool = False
+    error: Optional[BaseException] = None
+
+
 class Engine:
     """Runs ``job(comm)`` callables on a private communicator, one at a time, in order.
 
     Every rank submits the same jobs in the same order (the optimizer launches buckets in a
     fixed order; user calls are checked by signature), so the blocking MPI calls inside the
     jobs match across ranks. mpi4py releases the GIL inside MPI calls, so communication
-    overlaps the backward pass running on the main thread.
+    overlaps the backward pass running on the main thread. A job that can also be started
+    without waiting (``start``: a bucket's ring) runs beside the one before it, up to
+    :data:`IN_FLIGHT` at once on the engine's communicator; a job that cannot waits until
+    those have finished. Jobs finish in submission order either way.
     """
 
     def __init__(self, comm):
@@ -57,20 +84,28 @@ class Engine:
         self.generation = fault.generation()  # whose communicators a failure here revokes
         self._problem_at = 0.0
         self._open_streams: list = []  # what each running job that waits for the main thread is
+        self._started = 0  # jobs started ahead so far: the next one's tag
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="hvcomm-engine", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        in_flight: Deque[_Started] = collections.deque()
         while True:
-            item = self._jobs.get()
+            item = self._progress(in_flight, 0, take=True)
             if item is None:
+                self._progress(in_flight, 0)
                 return
-            job, handle, name, comm, detail = item
+            job, handle, name, comm, detail, start = item
             timeline.cycle()
             label = name or getattr(job, "__qualname__", "job")
             if detail:
                 label = f"{label} ({detail})"
+            if start is not None and comm is self.comm:
+                self._progress(in_flight, IN_FLIGHT - 1)
+                if self._start(start, handle, name, label, in_flight):
+                    continue
+            self._progress(in_flight, 0)
             self.current = (label, time.monotonic())
             try:
                 if name is None:
@@ -80,16 +115,82 @@ class Engine:
                         result = job(comm)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 self.current = None
-                if fault.is_process_failure(e):  # revokes hvcomm's communicators everywhere
-                    e = fault.failure_error(e, label, self.generation)
-                elif self.watchdog is not None and not getattr(e, "everywhere", False):
-                    self.watchdog.announce("failed", f"{label}: {type(e).__name__}: {e}")
-                handle._finish(error=e)
+                self._fail(handle, e, label)
                 continue
             self.current = None
-            if self.watchdog is not None:
-                self.watchdog.peer_problem = None  # progress: the ranks are in step
-            handle._finish(result)
+            self._finish(handle, result)
+
+    def _start(self, start, handle: Handle, name, label: str, in_flight) -> bool:
+        """Start a job's collective beside those in flight; False if it cannot be."""
+        if not in_flight:
+            self.current = (label, time.monotonic())
+        try:
+            pending = start(self.comm, START_TAGS[self._started % IN_FLIGHT])
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            self._fail(handle, e, label)
+            self._show(in_flight)
+            return True
+        if pending is not None:
+            self._started += 1
+            in_flight.append(_Started(pending, handle, name, label, time.monotonic(),
+                                      timeline.Timeline.now_us()))
+        self._show(in_flight)
+        return pending is not None
+
+    def _show(self, in_flight) -> None:
+        """``current``: the oldest job in flight."""
+        self.current = (in_flight[0].label, in_flight[0].since) if in_flight else None
+
+    def _progress(self, in_flight: Deque[_Started], most: int, take: bool = False) -> Any:
+        """Drive the collectives in flight (each job finished in order as they end) until at
+        most ``most`` are left; with ``take``, return the next submitted item as soon as there
+        is one (waiting for it once nothing is in flight). Sleeps between polls as
+        :meth:`collectives.handle.Pending.wait` does."""
+        longest = longest_sleep_s()
+        sleep, rounds = min(FIRST_SLEEP_S, longest), -1
+        while True:
+            for job in in_flight:
+                if not job.done:
+                    try:
+                        job.done = job.pending.test()
+                    except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                        job.done, job.error = True, e
+            while in_flight and in_flight[0].done:
+                self._retire(in_flight.popleft())
+            self._show(in_flight)
+            if len(in_flight) <= most:
+                return self._jobs.get() if take else None
+            now = sum(job.pending.rounds for job in in_flight)
+            if now != rounds:  # progress: poll again soon
+                sleep, rounds = min(FIRST_SLEEP_S, longest), now
+            if take:  # (not a timed get: one waited for ever here, its timeout long past)
+                try:
+                    return self._jobs.get_nowait()
+                except queue.Empty:
+                    pass
+            time.sleep(sleep)
+            sleep = min(2 * sleep, longest)
+
+    def _retire(self, job: _Started) -> None:
+        tl = timeline.active()
+        if tl is not None and job.name is not None:
+            tl.span(job.name, job.start_us, tl.now_us(), "comm")
+        if job.error is not None:
+            self._fail(job.handle, job.error, job.label)
+        else:
+            self._finish(job.handle, job.pending.wait())
+
+    def _finish(self, handle: Handle, result: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.peer_problem = None  # progress: the ranks are in step
+        handle._finish(result)
+
+    def _fail(self, handle: Handle, error: BaseException, label: str) -> None:
+        if fault.is_process_failure(error):  # revokes hvcomm's communicators everywhere
+            error = fault.failure_error(error, label, self.generation)
+        elif self.watchdog is not None and not getattr(error, "everywhere", False):
+            self.watchdog.announce("failed", f"{label}: {type(error).__name__}: {error}")
+        handle._finish(error=error)
 
     def stuck_error(self) -> Optional[HvcommError]:
         """An error for a caller waiting on this engine, once another rank has failed or
@@ -121,14 +222,19 @@ class Engine:
                               "wait for it forever. Call it after optimizer.step()")
 
     def submit(self, job: Callable[[Any], Any], name: Optional[str] = None,
-               comm: Any = None, detail: Optional[str] = None) -> Handle:
+               comm: Any = None, detail: Optional[str] = None,
+               start: Optional[Callable[[Any, int], Any]] = None) -> Handle:
         """Queue ``job(comm)``; ``comm`` defaults to the engine's communicator (a process
         set's is derived from it); ``name`` labels its span on the timeline; ``detail`` (the
-        tensor's shape and dtype) is added to the name in stall reports and errors."""
+        tensor's shape and dtype) is added to the name in stall reports and errors.
+        ``start(comm, tag)``: the same work started without waiting, on the engine's
+        communicator, returning a :class:`collectives.handle.Pending` (whose result is the
+        handle's) or None where it cannot be (then ``job`` runs); it runs beside the jobs
+        started so before it, with its own ``tag``."""
         if not self._thread.is_alive():
             raise RuntimeError("hvcomm engine is shut down; call hvcomm.torch.init() first")
         handle = Handle(self)
-        self._jobs.put((job, handle, name, self.comm if comm is None else comm, detail))
+        self._jobs.put((job, handle, name, self.comm if comm is None else comm, detail, start))
         return handle
 
     @property

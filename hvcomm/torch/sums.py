@@ -31,6 +31,14 @@ def add_torch(dst: np.ndarray, src: np.ndarray, ws: Workspace) -> None:
 _RING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _ring_buffer(tensor: torch.Tensor):
+    """(the NumPy array the ring sums for ``tensor``, whether it holds bfloat16 bits,
+    whether the ring can scale it: float32 and float64)."""
+    brain = tensor.dtype == torch.bfloat16
+    buf = as_bits(tensor).view(np.uint16) if brain else tensor.detach().numpy()
+    return buf, brain, tensor.dtype in (torch.float32, torch.float64)
+
+
 def sum_in_place(comm, tensor: torch.Tensor, scale: float = 1.0) -> None:
     """Sum a contiguous CPU tensor over the ranks in place, then multiply it by ``scale``
     (as ``tensor.mul_(scale)`` would). Floating-point tensors go over
@@ -39,10 +47,9 @@ def sum_in_place(comm, tensor: torch.Tensor, scale: float = 1.0) -> None:
     in float32; float32 and float64 scaled inside the ring, on 1/P of the tensor per rank);
     other dtypes over Open MPI's allreduce."""
     from collectives.ring import allreduce_sum  # (loads numba: not at import)
-    wide = tensor.dtype in (torch.float32, torch.float64)
+    wide = False
     if tensor.dtype in _RING_DTYPES:
-        brain = tensor.dtype == torch.bfloat16
-        buf = as_bits(tensor).view(np.uint16) if brain else tensor.detach().numpy()
+        buf, brain, wide = _ring_buffer(tensor)
         allreduce_sum(comm, buf, bfloat16=brain, add=add_torch, scale=scale if wide else 1.0,
                       check=False)
     else:
@@ -50,6 +57,23 @@ def sum_in_place(comm, tensor: torch.Tensor, scale: float = 1.0) -> None:
         comm.Allreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM)
     if scale != 1.0 and not wide:
         tensor.mul_(scale)
+
+
+def start_ring_sum(comm, tensor: torch.Tensor, scale: float, tag: int):
+    """:func:`sum_in_place` started without waiting, where it goes over the ring (a floating
+    tensor of the ring's sizes, more than one rank): a :class:`collectives.handle.Pending`
+    whose ``wait()`` returns ``tensor`` holding the sum; None where it would go over Open MPI's
+    blocking allreduce (call :func:`sum_in_place` then). Sums in flight together need
+    distinct ``tag``s."""
+    from collectives.ring import iring_allreduce, kind_of, use_ring
+    if tensor.dtype not in _RING_DTYPES:
+        return None
+    buf, brain, wide = _ring_buffer(tensor)
+    if not use_ring(buf.nbytes, comm.Get_size(), kind_of(buf, brain)):
+        return None
+    pending = iring_allreduce(comm, buf, bfloat16=brain, add=add_torch,
+                              scale=scale if wide else 1.0, tag=tag, check=False)
+    return pending.then(lambda _: tensor if wide or scale == 1.0 else tensor.mul_(scale))
 
 
 def adasum_(comm, tensor: torch.Tensor) -> None:

@@ -2,6 +2,8 @@
 bfloat16 on the wire), float32 gradients through Compression.bf16, on a small tensor (Open
 MPI's path) and a large one (the ring), each in a bucket (or P3 slice) of its own, against a
 serial loop over the simulated ranks; and the compressors that cannot take it say which can.
+With them, the engine's rings in flight together (float32, bfloat16, float16 on the wire)
+between buckets on Open MPI's path.
 
 Each rank's gradient is its own input (loss = sum(w * x)): integers, times 2**20 where the wire
 is bfloat16, so every sum is exact in bfloat16 whatever the order, and would overflow float16
@@ -23,9 +25,9 @@ def started():
     hvd.init()
 
 
-def rank_input(rank, name, dtype, scale):
+def rank_input(rank, name, dtype, scale, shape=None):
     gen = torch.Generator().manual_seed(1000 * rank + len(name))
-    return (torch.randint(-8, 9, SHAPES[name], generator=gen) * scale).to(dtype)
+    return (torch.randint(-8, 9, shape or SHAPES[name], generator=gen) * scale).to(dtype)
 
 
 class Weights(torch.nn.Module):
@@ -74,3 +76,45 @@ def test_compressors_that_cannot_take_bfloat16_say_which_can(compression):
         torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters(),
         compression=factory(0.1) if compression == "topk" else factory()),
         "Compression.none or Compression.fp16")
+
+
+
+INTERLEAVED = {"a": (400, 400), "b": (3, 5), "c": (300, 400), "d": (400, 300), "e": (7,),
+               "f": (200, 400)}  # launched f first: the large ones take the ring, "b", "e" not
+
+
+@pytest.mark.parametrize("param_dtype, compression, wire", [
+    (torch.float32, "none", torch.float32),
+    (torch.bfloat16, "none", torch.bfloat16),
+    (torch.float32, "fp16", torch.float16),
+])
+def test_buckets_on_the_wire_together_equal_the_serial_loop(param_dtype, compression, wire,
+                                                              monkeypatch):
+    """The engine starts a bucket's ring while the one before it is still under way, and
+    waits for them before a bucket that goes over Open MPI's allreduce: a bucket a tensor,
+    rings and Open MPI's path interleaved, three steps, every sum exact against the serial
+    loop."""
+    from hvcomm.torch.runtime import runtime
+    monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", "100000")
+    scale = 2.0 ** 20 if wire == torch.bfloat16 else 1.0
+    engine = runtime().engine
+    started_before = engine._started
+    model = torch.nn.Module()
+    for name, shape in INTERLEAVED.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=param_dtype)))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, compression),
+                                   op=hvd.Sum, fusion_threshold_bytes=0)
+    for step in range(3):
+        inputs = {q: {n: rank_input(q + 10 * step, n, torch.float64, scale, shape)
+                      for n, shape in INTERLEAVED.items()} for q in range(hvd.size())}
+        opt.zero_grad()
+        sum((p * inputs[hvd.rank()][n].to(param_dtype)).sum()
+            for n, p in model.named_parameters()).backward()
+        opt.step()
+        for name, p in model.named_parameters():
+            total = sum(inputs[q][name] for q in range(hvd.size()))
+            assert torch.equal(p.grad.double(), total.to(wire).double()), (step, name)
+    rings = sum(np.prod(s) * wire.itemsize >= 100000 for s in INTERLEAVED.values())
+    assert engine._started - started_before == (3 * rings if hvd.size() > 1 else 0)

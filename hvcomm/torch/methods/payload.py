@@ -8,7 +8,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..sums import adasum_, sum_in_place
+from ..sums import adasum_, start_ring_sum, sum_in_place
 
 
 @dataclass
@@ -45,6 +45,13 @@ class Collective:
     def run(self, comm, payload: Payload) -> Tuple[Any, float]:
         raise NotImplementedError
 
+    def start(self, comm, payload: Payload, tag: int):
+        """``run`` started without waiting, where it can share the wire with the collective
+        before it (the engine gives the two distinct ``tag``s): a
+        :class:`collectives.handle.Pending` whose ``wait()`` returns run's result; None where
+        it cannot (the engine then waits for the others and calls ``run``)."""
+        return None
+
 
 def ring_bytes(comm, nbytes: int) -> float:
     """What one rank sends in a ring allreduce of ``nbytes``."""
@@ -59,6 +66,11 @@ class Allreduce(Collective):
     def run(self, comm, payload):
         sum_in_place(comm, payload.data, payload.scale)
         return payload.data, ring_bytes(comm, payload.nbytes)
+
+    def start(self, comm, payload, tag):
+        pending = start_ring_sum(comm, payload.data, payload.scale, tag)
+        return None if pending is None else \
+            pending.then(lambda data: (data, ring_bytes(comm, payload.nbytes)))
 
 
 class Adasum(Collective):

@@ -78,7 +78,8 @@ class Reducer:
             self.memory.store(names, numels, comp.residual(acc, payload))
         collective = self.collective
         handle = self.engine.submit(lambda comm: collective.run(comm, payload),
-                                    f"{collective.label} {bucket.key[:80]}", self.comm)
+                                    f"{collective.label} {bucket.key[:80]}", self.comm,
+                                    start=lambda comm, tag: collective.start(comm, payload, tag))
         return InFlight(self, handle, payload, names, numels, scale_applied)
 
     def finish(self, job: InFlight):
