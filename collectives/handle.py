@@ -116,11 +116,27 @@ def _sleep_until_complete(requests: "List[MPI.Request]", longest: float) -> None
     from mpi4py import MPI
     if MPI.Request.Testall(requests):
         return
-    spin_until, sleep = time.perf_counter() + SPIN_S, min(FIRST_SLEEP_S, longest)
+    backoff = Backoff(longest)
     while not MPI.Request.Testall(requests):
-        if time.perf_counter() >= spin_until:
-            time.sleep(sleep)
-            sleep = min(2 * sleep, longest)
+        backoff.pause()
+
+
+class Backoff:
+    """The pauses between polls: none for SPIN_S, then sleeps of FIRST_SLEEP_S, twice as long
+    each time, never longer than ``longest`` (s); :meth:`restart` after progress."""
+
+    def __init__(self, longest: float):
+        self.longest = longest
+        self.restart()
+
+    def restart(self) -> None:
+        self._spin_until = time.perf_counter() + SPIN_S
+        self._sleep = min(FIRST_SLEEP_S, self.longest)
+
+    def pause(self) -> None:
+        if time.perf_counter() >= self._spin_until:
+            time.sleep(self._sleep)
+            self._sleep = min(2 * self._sleep, self.longest)
 
 
 def completed(value: Any) -> Pending:

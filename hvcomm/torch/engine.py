@@ -9,18 +9,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Optional
 
 from collectives.errors import HvcommError
-from collectives.handle import FIRST_SLEEP_S, longest_sleep_s
+from collectives.handle import DEFAULT_SLEEP_US, Backoff, longest_sleep_s
 
 from . import fault, timeline
 from .watchdog import peer_error
 
 # Collectives a job's ``start`` may have under way at once, and their tags: a bucket's ring
-# starts while the last chunks of the one before it are still on the wire, so that no link
-# waits between buckets: one after another, each ring's last chunks crossed one link while the
-# others idled (docs/benchmarks.md, "Two buckets on the wire at once").
+# starts while the last chunks of the one before it are still on the wire, so that a rank's
+# link need not idle while the others carry the ring's last chunks (docs/benchmarks.md, "Two
+# buckets on the wire at once").
 IN_FLIGHT = 2
-START_TAGS = (7421, 7422)
-
+START_TAGS = tuple(7421 + slot for slot in range(IN_FLIGHT))
 
 class Handle:
     """The future of one submitted job: ``done()`` polls, ``wait()`` returns or re-raises
@@ -53,12 +52,14 @@ class Handle:
 
 @dataclass
 class _Started:
-    """A job whose collective was started (``start``) and is not yet finished."""
+    """A job whose collective was started (``start``) and is not yet finished; ``error``: its
+    failure, reported (and converted) when found, handed to the caller in submission order."""
 
-    pending: Any         # a collectives.handle.Pending
+    pending: Any         # a collectives.handle.Pending, None if start() raised
     handle: Handle
     name: Optional[str]
     label: str
+    lane: str            # its timeline lane (timeline.ENGINE_LANES)
     since: float         # time.monotonic() at its start
     start_us: float      # timeline.Timeline.now_us() at its start
     done: bool = False
@@ -66,7 +67,7 @@ class _Started:
 
 
 class Engine:
-    """Runs ``job(comm)`` callables on a private communicator, one at a time, in order.
+    """Runs ``job(comm)`` callables on a private communicator, in order.
 
     Every rank submits the same jobs in the same order (the optimizer launches buckets in a
     fixed order; user calls are checked by signature), so the blocking MPI calls inside the
@@ -115,27 +116,29 @@ class Engine:
                         result = job(comm)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 self.current = None
-                self._fail(handle, e, label)
+                handle._finish(error=self._reported(e, label))
                 continue
             self.current = None
             self._finish(handle, result)
 
     def _start(self, start, handle: Handle, name, label: str, in_flight) -> bool:
-        """Start a job's collective beside those in flight; False if it cannot be."""
+        """Start a job's collective beside those in flight; False if it cannot be (``start``
+        returned None). A start that raises counts as started, its failure handed over in
+        order."""
+        slot = self._started % IN_FLIGHT
+        job = _Started(None, handle, name, label, timeline.ENGINE_LANES[slot],
+                       time.monotonic(), timeline.Timeline.now_us())
         if not in_flight:
-            self.current = (label, time.monotonic())
+            self.current = (label, job.since)
         try:
-            pending = start(self.comm, START_TAGS[self._started % IN_FLIGHT])
+            job.pending = start(self.comm, START_TAGS[slot])
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-            self._fail(handle, e, label)
-            self._show(in_flight)
-            return True
-        if pending is not None:
+            job.done, job.error = True, self._reported(e, label)
+        if job.pending is not None or job.done:
             self._started += 1
-            in_flight.append(_Started(pending, handle, name, label, time.monotonic(),
-                                      timeline.Timeline.now_us()))
+            in_flight.append(job)
         self._show(in_flight)
-        return pending is not None
+        return job.pending is not None or job.done
 
     def _show(self, in_flight) -> None:
         """``current``: the oldest job in flight."""
@@ -144,39 +147,43 @@ class Engine:
     def _progress(self, in_flight: Deque[_Started], most: int, take: bool = False) -> Any:
         """Drive the collectives in flight (each job finished in order as they end) until at
         most ``most`` are left; with ``take``, return the next submitted item as soon as there
-        is one (waiting for it once nothing is in flight). Sleeps between polls as
-        :meth:`collectives.handle.Pending.wait` does."""
-        longest = longest_sleep_s()
-        sleep, rounds = min(FIRST_SLEEP_S, longest), -1
+        is one (waiting for it once nothing is in flight). Between polls it pauses as
+        :meth:`collectives.handle.Pending.wait` does, from the shortest pause again after
+        progress."""
+        try:
+            backoff = Backoff(longest_sleep_s())
+        except HvcommError:  # a bad setting: the collectives' own starts raise it, here
+            backoff = Backoff(DEFAULT_SLEEP_US * 1e-6)
+        rounds = -1
         while True:
             for job in in_flight:
                 if not job.done:
                     try:
                         job.done = job.pending.test()
                     except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                        job.done, job.error = True, e
+                        job.done, job.error = True, self._reported(e, job.label)
             while in_flight and in_flight[0].done:
                 self._retire(in_flight.popleft())
             self._show(in_flight)
             if len(in_flight) <= most:
                 return self._jobs.get() if take else None
-            now = sum(job.pending.rounds for job in in_flight)
-            if now != rounds:  # progress: poll again soon
-                sleep, rounds = min(FIRST_SLEEP_S, longest), now
+            now = sum(job.pending.rounds for job in in_flight if job.pending is not None)
+            if now != rounds:
+                backoff.restart()
+                rounds = now
             if take:  # (not a timed get: one waited for ever here, its timeout long past)
                 try:
                     return self._jobs.get_nowait()
                 except queue.Empty:
                     pass
-            time.sleep(sleep)
-            sleep = min(2 * sleep, longest)
+            backoff.pause()
 
     def _retire(self, job: _Started) -> None:
         tl = timeline.active()
         if tl is not None and job.name is not None:
-            tl.span(job.name, job.start_us, tl.now_us(), "comm")
+            tl.span(job.name, job.start_us, tl.now_us(), job.lane)
         if job.error is not None:
-            self._fail(job.handle, job.error, job.label)
+            job.handle._finish(error=job.error)
         else:
             self._finish(job.handle, job.pending.wait())
 
@@ -185,12 +192,14 @@ class Engine:
             self.watchdog.peer_problem = None  # progress: the ranks are in step
         handle._finish(result)
 
-    def _fail(self, handle: Handle, error: BaseException, label: str) -> None:
-        if fault.is_process_failure(error):  # revokes hvcomm's communicators everywhere
-            error = fault.failure_error(error, label, self.generation)
-        elif self.watchdog is not None and not getattr(error, "everywhere", False):
+    def _reported(self, error: BaseException, label: str) -> BaseException:
+        """A job's failure as its caller gets it, reported at once: a process failure revokes
+        hvcomm's communicators everywhere; any other is announced to the other ranks."""
+        if fault.is_process_failure(error):
+            return fault.failure_error(error, label, self.generation)
+        if self.watchdog is not None and not getattr(error, "everywhere", False):
             self.watchdog.announce("failed", f"{label}: {type(error).__name__}: {error}")
-        handle._finish(error=error)
+        return error
 
     def stuck_error(self) -> Optional[HvcommError]:
         """An error for a caller waiting on this engine, once another rank has failed or
@@ -229,8 +238,8 @@ class Engine:
         tensor's shape and dtype) is added to the name in stall reports and errors.
         ``start(comm, tag)``: the same work started without waiting, on the engine's
         communicator, returning a :class:`collectives.handle.Pending` (whose result is the
-        handle's) or None where it cannot be (then ``job`` runs); it runs beside the jobs
-        started so before it, with its own ``tag``."""
+        handle's), or None, having done nothing, where it cannot be (then ``job`` runs); a
+        started job runs beside the one started before it, each with its own ``tag``."""
         if not self._thread.is_alive():
             raise RuntimeError("hvcomm engine is shut down; call hvcomm.torch.init() first")
         handle = Handle(self)

@@ -6,7 +6,8 @@ Each rank writes its own file (rank 0 ``path`` itself, as Horovod's timeline, th
 ``stem.rank<R>.json``),
 in the Trace Event Format's JSON array form: open it in chrome://tracing or
 https://ui.perfetto.dev. pid is the rank, so :func:`merge` can put all ranks in one view.
-Threads: "main" (forward+backward, compression, waits, the update) and "comm" (the engine).
+Threads: "main" (forward+backward, compression, waits, the update) and "comm" (the engine;
+a collective it runs beside the one before it goes on "comm 2", see :data:`ENGINE_LANES`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence
 
-_TIDS = {"main": 1, "comm": 2}
+_TIDS = {"main": 1, "comm": 2, "comm 2": 3}
+ENGINE_LANES = ("comm", "comm 2")  # the engine's collectives in flight at once, one a lane
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -129,18 +131,20 @@ def measure(name: str, thread: str = "main", **args):
 
 def arrival_skew_s(paths: Sequence[str], thread: str = "comm") -> float:
     """How long ranks waited for one another, from their timelines (one file per rank, their
-    clocks one machine's): for each span on ``thread`` (the engine's collectives), the time
-    from the first rank's start to the last's, summed over the spans. The n-th last span of a
-    name on each rank is one collective: the timelines end with nothing in flight, but may
-    begin with a collective that one rank recorded and another had started before its
-    timeline did. Spans that are not on every rank are left out."""
+    clocks one machine's): for each span on ``thread`` ("comm": the engine's collectives, on
+    either of its :data:`ENGINE_LANES`), the time from the first rank's start to the last's,
+    summed over the spans. The n-th last span of a name on each rank is one collective: the
+    timelines end with nothing in flight, but may begin with a collective that one rank
+    recorded and another had started before its timeline did. Spans that are not on every rank
+    are left out."""
     starts = []  # per rank: span name -> start times (us)
     for path in paths:
         with open(path) as f:
             events = json.load(f)
         by_name: Dict[str, List[float]] = {}
+        tids = {_TIDS[t] for t in (ENGINE_LANES if thread == "comm" else (thread,))}
         for e in events:
-            if e.get("ph") == "X" and e.get("tid") == _TIDS[thread]:
+            if e.get("ph") == "X" and e.get("tid") in tids:
                 by_name.setdefault(e["name"], []).append(e["ts"])
         starts.append(by_name)
     skew_us = 0.0

@@ -79,24 +79,29 @@ def test_compressors_that_cannot_take_bfloat16_say_which_can(compression):
 
 
 
-INTERLEAVED = {"a": (400, 400), "b": (3, 5), "c": (300, 400), "d": (400, 300), "e": (7,),
-               "f": (200, 400)}  # launched f first: the large ones take the ring, "b", "e" not
+# launched last first: the large ones take the ring (HVCOMM_RING_MIN_BYTES below), "b" and "e"
+# Open MPI's allreduce; no two the same size
+INTERLEAVED = {"a": (400, 400), "b": (3, 5), "c": (300, 410), "d": (390, 300), "e": (7,),
+               "f": (200, 400)}
 
 
-@pytest.mark.parametrize("param_dtype, compression, wire", [
-    (torch.float32, "none", torch.float32),
-    (torch.bfloat16, "none", torch.bfloat16),
-    (torch.float32, "fp16", torch.float16),
+@pytest.mark.parametrize("param_dtype, compression, wire, op", [
+    (torch.float32, "none", torch.float32, "Sum"),
+    (torch.bfloat16, "none", torch.bfloat16, "Sum"),
+    (torch.float32, "fp16", torch.float16, "Sum"),
+    (torch.bfloat16, "none", torch.bfloat16, "Average"),  # a 16-bit sum scaled after the ring
 ])
-def test_buckets_on_the_wire_together_equal_the_serial_loop(param_dtype, compression, wire,
+def test_buckets_on_the_wire_together_equal_the_serial_loop(param_dtype, compression, wire, op,
                                                               monkeypatch):
     """The engine starts a bucket's ring while the one before it is still under way, and
     waits for them before a bucket that goes over Open MPI's allreduce: a bucket a tensor,
-    rings and Open MPI's path interleaved, three steps, every sum exact against the serial
-    loop."""
+    rings and Open MPI's path interleaved, three steps, every average exact against the serial
+    loop (with op=Average each input a multiple of 3 * 2**20: its sum over 2 or 3 ranks
+    divides exactly)."""
     from hvcomm.torch.runtime import runtime
     monkeypatch.setenv("HVCOMM_RING_MIN_BYTES", "100000")
-    scale = 2.0 ** 20 if wire == torch.bfloat16 else 1.0
+    n = hvd.size()
+    scale = (2.0 ** 20 if wire == torch.bfloat16 else 1.0) * (3 if op == "Average" else 1)
     engine = runtime().engine
     started_before = engine._started
     model = torch.nn.Module()
@@ -105,16 +110,20 @@ def test_buckets_on_the_wire_together_equal_the_serial_loop(param_dtype, compres
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                    named_parameters=model.named_parameters(),
                                    compression=getattr(hvd.Compression, compression),
-                                   op=hvd.Sum, fusion_threshold_bytes=0)
+                                   op=getattr(hvd, op), fusion_threshold_bytes=0)
     for step in range(3):
-        inputs = {q: {n: rank_input(q + 10 * step, n, torch.float64, scale, shape)
-                      for n, shape in INTERLEAVED.items()} for q in range(hvd.size())}
+        inputs = {q: {name: rank_input(100 * q + 10 * step + j, name, torch.float64, scale,
+                                       shape)
+                      for j, (name, shape) in enumerate(INTERLEAVED.items())}
+                  for q in range(n)}
         opt.zero_grad()
-        sum((p * inputs[hvd.rank()][n].to(param_dtype)).sum()
-            for n, p in model.named_parameters()).backward()
+        sum((p * inputs[hvd.rank()][name].to(param_dtype)).sum()
+            for name, p in model.named_parameters()).backward()
         opt.step()
         for name, p in model.named_parameters():
-            total = sum(inputs[q][name] for q in range(hvd.size()))
-            assert torch.equal(p.grad.double(), total.to(wire).double()), (step, name)
-    rings = sum(np.prod(s) * wire.itemsize >= 100000 for s in INTERLEAVED.values())
-    assert engine._started - started_before == (3 * rings if hvd.size() > 1 else 0)
+            total = sum(inputs[q][name] for q in range(n)).to(wire).double()
+            want = total / n if op == "Average" else total
+            assert torch.equal(p.grad.double(), want), (step, name)
+    wire_bytes = torch.finfo(wire).bits // 8
+    rings = sum(np.prod(s) * wire_bytes >= 100000 for s in INTERLEAVED.values())
+    assert engine._started - started_before == (3 * rings if n > 1 else 0)

@@ -48,8 +48,9 @@ class Collective:
     def start(self, comm, payload: Payload, tag: int):
         """``run`` started without waiting, where it can share the wire with the collective
         before it (the engine gives the two distinct ``tag``s): a
-        :class:`collectives.handle.Pending` whose ``wait()`` returns run's result; None where
-        it cannot (the engine then waits for the others and calls ``run``)."""
+        :class:`collectives.handle.Pending` whose ``wait()`` returns run's result; None, having
+        sent nothing, where it cannot (the engine then waits for the others and calls
+        ``run``)."""
         return None
 
 
