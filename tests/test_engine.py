@@ -1,4 +1,4 @@
-"""The engine's collectives in flight together, with stand-ins for the collectives (no MPI):
+"""The engine's collectives in flight together, with stand-ins for the collectives (no MPI job):
 at most two started at once, on alternating tags; a job that cannot be started waits for
 them; every job finishes in submission order, a start that raises too.
 
@@ -12,6 +12,7 @@ import pytest
 from hvcomm.torch.engine import IN_FLIGHT, START_TAGS, Engine
 
 PAUSE_S = 0.2  # time for an engine to do what it must not
+GATES = []  # every Gate made: opened before the engine is closed, also after a failed check
 
 
 class Gate:
@@ -20,6 +21,7 @@ class Gate:
 
     def __init__(self, value):
         self.value, self.rounds, self.opened = value, 0, threading.Event()
+        GATES.append(self)
 
     def test(self) -> bool:
         return self.opened.is_set()
@@ -32,6 +34,9 @@ class Gate:
 def engine():
     e = Engine(comm="engine's comm")
     yield e
+    for gate in GATES:
+        gate.opened.set()
+    GATES.clear()
     e.close()
 
 
@@ -105,3 +110,37 @@ def test_a_start_that_raises_fails_its_job_in_order(engine):
     gates[2].opened.set()
     assert third.wait() == "third"
     assert [tag for _, tag in calls] == [START_TAGS[0], START_TAGS[1], START_TAGS[0]]
+
+
+class Watchdog:
+    """Stands in for hvcomm.torch.watchdog.Watchdog: what the other ranks said, and what this
+    one announced."""
+
+    def __init__(self):
+        self.peer_problem, self.peer_problem_at, self.announced = None, 0.0, []
+
+    def announce(self, kind, text):
+        self.announced.append((kind, text))
+
+
+def test_failures_are_announced_when_found_and_problems_outlive_older_jobs(engine):
+    wd = engine.watchdog = Watchdog()
+    gates, calls = [Gate("older")], []
+
+    def bad_start(comm, tag):
+        raise ValueError("no such buffer")
+    older = engine.submit(not_run, start=starter(gates, calls, 0))
+    bad = engine.submit(not_run, start=bad_start)
+    wait_for(lambda: wd.announced, "the failure was not announced while the older job ran")
+    assert wd.announced[0][0] == "failed" and "no such buffer" in wd.announced[0][1]
+    assert not bad.done()
+    wd.peer_problem, wd.peer_problem_at = "rank 1 failed in it", time.monotonic()
+    gates[0].opened.set()
+    wait_for(older.done, "the older job did not finish")  # (wait() would see the problem)
+    assert older.wait() == "older"
+    assert wd.peer_problem == "rank 1 failed in it"  # heard of after the older job began
+    with pytest.raises(ValueError):
+        bad.wait()
+    later = engine.submit(lambda comm: "later")
+    wait_for(later.done, "the later job did not finish")
+    assert later.wait() == "later" and wd.peer_problem is None  # begun after it: over

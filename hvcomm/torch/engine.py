@@ -107,7 +107,8 @@ class Engine:
                 if self._start(start, handle, name, label, in_flight):
                     continue
             self._progress(in_flight, 0)
-            self.current = (label, time.monotonic())
+            since = time.monotonic()
+            self.current = (label, since)
             try:
                 if name is None:
                     result = job(comm)
@@ -119,7 +120,7 @@ class Engine:
                 handle._finish(error=self._reported(e, label))
                 continue
             self.current = None
-            self._finish(handle, result)
+            self._finish(handle, result, since)
 
     def _start(self, start, handle: Handle, name, label: str, in_flight) -> bool:
         """Start a job's collective beside those in flight; False if it cannot be (``start``
@@ -185,11 +186,15 @@ class Engine:
         if job.error is not None:
             job.handle._finish(error=job.error)
         else:
-            self._finish(job.handle, job.pending.wait())
+            self._finish(job.handle, job.pending.wait(), job.since)
 
-    def _finish(self, handle: Handle, result: Any) -> None:
-        if self.watchdog is not None:
-            self.watchdog.peer_problem = None  # progress: the ranks are in step
+    def _finish(self, handle: Handle, result: Any, since: float) -> None:
+        """A job begun at ``since`` (time.monotonic()) ended well: a problem heard of before
+        it began is over (the ranks are in step), not one heard of since (it may concern a
+        job still in flight)."""
+        wd = self.watchdog
+        if wd is not None and wd.peer_problem is not None and wd.peer_problem_at < since:
+            wd.peer_problem = None
         handle._finish(result)
 
     def _reported(self, error: BaseException, label: str) -> BaseException:

@@ -32,6 +32,7 @@ class Watchdog:
         self.stall_check_s, self.stall_shutdown_s = stall_check_s, stall_shutdown_s
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.peer_problem: Optional[str] = None  # a failed or departed rank, once announced
+        self.peer_problem_at = 0.0  # time.monotonic() when it was heard of
         self._waiting: Dict[int, str] = {}       # rank -> the op it says it waits in
         self.departed: set = set()               # ranks that have said bye
         self._sends: List[MPI.Request] = []
@@ -82,10 +83,12 @@ class Watchdog:
                 self._waiting[rank] = text
             elif kind == "failed":
                 self.peer_problem = f"rank {rank} failed in {text}"
+                self.peer_problem_at = time.monotonic()
             elif kind == "bye":
                 self.departed.add(rank)
                 if self.peer_problem is None:
                     self.peer_problem = f"rank {rank} has shut down"
+                    self.peer_problem_at = time.monotonic()
 
     def _inspect(self) -> None:
         current = self.engine.current
