@@ -135,11 +135,12 @@ class Engine:
             job.pending = start(self.comm, START_TAGS[slot])
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             job.done, job.error = True, self._reported(e, label)
-        if job.pending is not None or job.done:
+        started = job.pending is not None or job.done
+        if started:
             self._started += 1
             in_flight.append(job)
         self._show(in_flight)
-        return job.pending is not None or job.done
+        return started
 
     def _show(self, in_flight) -> None:
         """``current``: the oldest job in flight."""

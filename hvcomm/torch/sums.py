@@ -55,8 +55,13 @@ def sum_in_place(comm, tensor: torch.Tensor, scale: float = 1.0) -> None:
     else:
         from mpi4py import MPI
         comm.Allreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM)
-    if scale != 1.0 and not wide:
-        tensor.mul_(scale)
+    _scale_after_sum(tensor, scale, wide)
+
+
+def _scale_after_sum(tensor: torch.Tensor, scale: float, scaled_in_ring: bool) -> torch.Tensor:
+    """``tensor.mul_(scale)`` where the sum did not scale it (16-bit and non-floating sums:
+    a 16-bit sum scaled in the ring would be rounded twice); returns ``tensor``."""
+    return tensor.mul_(scale) if scale != 1.0 and not scaled_in_ring else tensor
 
 
 def start_ring_sum(comm, tensor: torch.Tensor, scale: float, tag: int):
@@ -73,7 +78,7 @@ def start_ring_sum(comm, tensor: torch.Tensor, scale: float, tag: int):
         return None
     pending = iring_allreduce(comm, buf, bfloat16=brain, add=add_torch,
                               scale=scale if wide else 1.0, tag=tag, check=False)
-    return pending.then(lambda _: tensor if wide or scale == 1.0 else tensor.mul_(scale))
+    return pending.then(lambda _: _scale_after_sum(tensor, scale, wide))
 
 
 def adasum_(comm, tensor: torch.Tensor) -> None:
