@@ -137,12 +137,12 @@ def arrival_skew_s(paths: Sequence[str], thread: str = "comm") -> float:
     timelines end with nothing in flight, but may begin with a collective that one rank
     recorded and another had started before its timeline did. Spans that are not on every rank
     are left out."""
+    tids = {_TIDS[t] for t in (ENGINE_LANES if thread == "comm" else (thread,))}
     starts = []  # per rank: span name -> start times (us)
     for path in paths:
         with open(path) as f:
             events = json.load(f)
         by_name: Dict[str, List[float]] = {}
-        tids = {_TIDS[t] for t in (ENGINE_LANES if thread == "comm" else (thread,))}
         for e in events:
             if e.get("ph") == "X" and e.get("tid") in tids:
                 by_name.setdefault(e["name"], []).append(e["ts"])
